@@ -1,0 +1,40 @@
+"""``flatten``: DeFT-Flatten, flattened tree KV splitting.
+
+The tree's KV is laid out depth-first (a subtree is one contiguous run, so a block's queries
+overlap as much as possible) and cut into even blocks; each block is one work item with every
+query that sees any of its tokens, and the tree mask hides the tokens a query must not see.
+Every KV token is read once and items are balanced whatever the tree's shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, items_from_groups, query_node_pairs
+from treeattn.plan.plan import HeadConfig
+from treeattn.tree import DecodingTree, ranges
+
+
+def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    block = cost.deft_chunk_tokens
+    flat = tree.topology.flat_start
+    total = tree.num_tokens
+    n_blocks = -(-total // block)
+    # pieces of nodes in each block, depth-first order
+    nodes = np.flatnonzero(tree.lengths > 0)
+    start, end = flat[nodes], flat[nodes] + tree.lengths[nodes]
+    b0, b1 = start // block, (end - 1) // block
+    piece_node = np.repeat(nodes, b1 - b0 + 1)
+    piece_block = ranges(b0, b1 + 1)
+    lo = np.maximum(piece_block * block, flat[piece_node]) - flat[piece_node]
+    hi = np.minimum((piece_block + 1) * block, flat[piece_node] + tree.lengths[piece_node]) - flat[piece_node]
+    order = np.lexsort((flat[piece_node], piece_block))
+    # queries of each block: those whose visible part of some node overlaps it
+    q, node, visible = query_node_pairs(tree)
+    qb0, qb1 = flat[node] // block, (flat[node] + visible - 1) // block
+    pair_block = ranges(qb0, qb1 + 1)
+    pair_q = np.repeat(q, qb1 - qb0 + 1)
+    key = np.unique(pair_block * tree.num_queries + pair_q)
+    items = items_from_groups(piece_block[order], piece_node[order], lo[order], hi[order],
+                              key // tree.num_queries, key % tree.num_queries, n_blocks)
+    return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"

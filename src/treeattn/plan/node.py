@@ -1,0 +1,27 @@
+"""``node``: DeFT-Node, KV-guided grouping by tree node.
+
+One work item per node holding all queries that see any of its tokens, so every KV token is read
+once; the item count and sizes follow the tree, which balances poorly (DeFT Sec. 3.3).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, items_from_groups, query_node_pairs
+from treeattn.plan.plan import HeadConfig
+from treeattn.tree import DecodingTree
+
+
+def node_items(tree: DecodingTree) -> WorkItems:
+    """One item per node with tokens: the whole node and every query seeing part of it."""
+    q, node, _ = query_node_pairs(tree)
+    nodes = np.flatnonzero(tree.lengths > 0)
+    item_of = np.full(tree.num_nodes, -1, dtype=np.int64)
+    item_of[nodes] = np.arange(nodes.size)
+    return items_from_groups(np.arange(nodes.size), nodes, np.zeros_like(nodes), tree.lengths[nodes],
+                             item_of[node], q, nodes.size)
+
+
+def plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    return node_items(tree), "node: one item per tree node"

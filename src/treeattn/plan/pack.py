@@ -1,0 +1,47 @@
+"""``pack``: PAT's pack scheduler (TreeHeuristic, its Alg. 1) with long-KV split.
+
+Walking down from each root, a child ``c`` of node ``u`` is either packed on its own (scheme 1,
+split) or merged with ``u``'s accumulated blocks (scheme 2), whichever PAT's memory-oriented profit
+model prefers: merging re-reads the accumulated prefix (``len_s`` tokens) for ``c``'s queries but
+saves their partial results, worth ``4 * c.size`` tokens. We count ``c.size`` in query heads per KV
+head (queries x GQA group), which is the paper's rule for MHA. Items longer than the mean are then
+split evenly below it (PAT's long-KV split); the builder rounds each item's query tile up (PAT's
+tile selector).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, effective_queries, glued_items, split_long_items
+from treeattn.plan.plan import HeadConfig
+from treeattn.tree import DecodingTree
+
+
+def subtree_query_counts(tree: DecodingTree) -> np.ndarray:
+    """int64 [N]: queries whose visible KV ends in each node's subtree."""
+    topo = tree.topology
+    eff, _ = effective_queries(tree)
+    at = np.bincount(topo.tin[eff], minlength=tree.num_nodes)
+    csum = np.concatenate(([0], np.cumsum(at)))
+    return csum[topo.tout] - csum[topo.tin]
+
+
+def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    topo = tree.topology
+    size = subtree_query_counts(tree) * heads.group
+    glued = np.zeros(tree.num_nodes, dtype=bool)
+    chain = tree.lengths.copy()  # len_s: tokens of the blocks a node's pack reads
+    by_depth = np.argsort(topo.depth, kind="stable")
+    levels = np.split(by_depth, np.flatnonzero(np.diff(topo.depth[by_depth])) + 1)
+    for kids in levels[1:]:
+        par = tree.parents[kids]
+        glued[kids] = ~(4 * size[kids] < chain[par])
+        chain[kids] += np.where(glued[kids], chain[par], 0)
+    items = glued_items(tree, glued)
+    length = items.item_len
+    used = (length > 0) & (items.item_queries > 0)
+    mean = int(np.ceil(length[used].mean())) if used.any() else 1
+    items = split_long_items(items, max(mean, 16))
+    return items, (f"pack: {int(glued.sum())} of {int((tree.parents >= 0).sum())} edges merged "
+                   f"by the profit model; items split above the mean ({mean} tokens)")

@@ -1,0 +1,297 @@
+"""The Plan: work items lowered to int32 index tensors, built once per tree and reused by every
+layer and decode step until the tree changes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from treeattn.plan.items import WorkItems
+from treeattn.tree import DecodingTree, ranges
+
+__all__ = ["Plan", "PlanIO", "Launch", "HeadConfig", "build_plan"]
+
+#: Query-tile heights (rows = queries x GQA group) the kernel is compiled for; an item takes the
+#: smallest that holds all its rows (PAT's round-up rule), else it is split into several tiles.
+BLOCK_M_CHOICES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+
+    def __post_init__(self):
+        for name in ("num_qo_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"num_qo_heads ({self.num_qo_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PlanIO:
+    """Bytes moved between HBM and the chip by one run of a plan (DeFT Tables 12 and 17).
+
+    ``kv`` counts each work item's KV once per KV head (what the planner decided);
+    ``kv_tile_rereads`` the extra reads when an item's queries need several query tiles (these
+    programs run side by side and mostly hit L2). ``partial`` is the fp32 partial outputs and LSEs
+    written by the attention kernel and read back by the merge.
+    """
+
+    kv: int
+    kv_tile_rereads: int
+    queries: int
+    partial_write: int
+    partial_read: int
+    mask: int
+    index: int
+    output: int
+
+    @property
+    def total(self) -> int:
+        return (self.kv + self.kv_tile_rereads + self.queries + self.partial_write + self.partial_read
+                + self.mask + self.index + self.output)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["total"] = self.total
+        return d
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch over work items ``[work_start, work_end)`` with one tile shape."""
+
+    block_m: int
+    block_n: int
+    work_start: int
+    work_end: int
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Work for the partial-attention and merge kernels (int32 tensors on the plan's device).
+
+    Attributes
+    ----------
+    kv_indices : int32 [nnz_kv]
+        KV-cache slot (``page * page_size + offset``) of each planned KV token, item after item.
+    work_kv_start, work_kv_end : int32 [W]
+        KV range of each work unit (one query tile of one item) into ``kv_indices``.
+    work_row_indptr : int32 [W + 1]
+        Partial-result rows of each work unit; row ``r`` is query ``row_q_indices[r]``.
+    row_q_indices : int32 [R]
+    merge_indptr, merge_indices : int32 [Q + 1], [R]
+        Partial rows that make up each query's output (the merge map).
+    mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
+        Tree mask, present when some query of an item sees only part of it: token ``t`` (at
+        offset ``mask_pos`` of a node with pre-order range ``[mask_lo, mask_hi)``) is visible to
+        query ``q`` iff ``mask_lo <= qpos < mask_hi`` and (``mask_lo < qpos`` or
+        ``mask_pos < qprefix``), with ``qpos, qprefix = query_pos[q], query_prefix[q]``. This is
+        DeFT's bit causal mask in O(1) words per token for any number of queries.
+    query_pos, query_prefix : int32 [Q] or None
+    launches : tuple of Launch
+    """
+
+    strategy: str
+    heads: HeadConfig
+    num_queries: int
+    page_size: int
+    min_slots: int
+    kv_indices: torch.Tensor
+    work_kv_start: torch.Tensor
+    work_kv_end: torch.Tensor
+    work_row_indptr: torch.Tensor
+    row_q_indices: torch.Tensor
+    merge_indptr: torch.Tensor
+    merge_indices: torch.Tensor
+    mask_lo: torch.Tensor | None
+    mask_hi: torch.Tensor | None
+    mask_pos: torch.Tensor | None
+    query_pos: torch.Tensor | None
+    query_prefix: torch.Tensor | None
+    launches: tuple
+    io: PlanIO
+    num_items: int
+    reason: str = ""
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_q_indices.numel())
+
+    @property
+    def num_work(self) -> int:
+        return int(self.work_kv_start.numel())
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_lo is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_indices.device
+
+    def workspace_bytes(self) -> int:
+        """fp32 bytes of partial outputs and LSEs that :meth:`TreeAttention.run` needs."""
+        return self.num_rows * self.heads.num_qo_heads * (self.heads.head_dim + 1) * 4
+
+    def to(self, device) -> "Plan":
+        def mv(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        for k, v in fields.items():
+            if isinstance(v, torch.Tensor):
+                fields[k] = mv(v)
+        return Plan(**fields)
+
+    def explain(self) -> str:
+        """Why this plan: the strategy, its choice (for ``auto``) and its IO."""
+        io = self.io
+        lines = [f"strategy={self.strategy}: {self.num_items} work items -> {self.num_work} "
+                 f"query tiles in {len(self.launches)} launch(es), {self.num_rows} partial rows, "
+                 f"mask={'on' if self.has_mask else 'off'}",
+                 f"IO bytes: kv={io.kv:,} (+{io.kv_tile_rereads:,} query-tile re-reads) "
+                 f"queries={io.queries:,} partials={io.partial_write + io.partial_read:,} "
+                 f"mask={io.mask:,} index={io.index:,} output={io.output:,} total={io.total:,}"]
+        if self.reason:
+            lines.append(self.reason)
+        return "\n".join(lines)
+
+
+def _choose_block_m(rows: np.ndarray, group: int) -> np.ndarray:
+    choices = np.array([m for m in BLOCK_M_CHOICES if m >= group] or [1 << (group - 1).bit_length()])
+    idx = np.searchsorted(choices, rows, side="left")
+    return choices[np.minimum(idx, choices.size - 1)]
+
+
+def _pair_visibility(tree: DecodingTree, items: WorkItems) -> np.ndarray:
+    """int64 [nnz]: tokens of its item that each (item, query) pair sees."""
+    nseg = np.diff(items.seg_indptr)
+    q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+    pair_seg = ranges(items.seg_indptr[q_item], items.seg_indptr[q_item + 1])
+    pair_q = np.repeat(items.q_indices, nseg[q_item])
+    owner = np.repeat(np.arange(q_item.size), nseg[q_item])
+    seen = tree.sees(items.seg_node[pair_seg], pair_q)
+    vis = np.clip(np.minimum(items.seg_hi[pair_seg], seen) - items.seg_lo[pair_seg], 0, None)
+    return np.bincount(owner, weights=vis, minlength=q_item.size).astype(np.int64)
+
+
+def default_block_n(head_dim: int) -> int:
+    return 64 if head_dim <= 128 else 32
+
+
+def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
+               device="cpu", block_n: int | None = None, reason: str = "") -> Plan:
+    """Lower planner work items to a :class:`Plan`.
+
+    Drops empty segments, items without tokens or queries; picks each item's query tile;
+    builds the KV slot list, the merge map, the tree mask (only when needed) and the IO report.
+    """
+    topo = tree.topology
+    group = heads.group
+    block_n = block_n or default_block_n(heads.head_dim)
+    # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
+    # (long-KV split) can leave a query of a partially visible node with nothing in a chunk;
+    # such pairs are dropped, then items without tokens or queries.
+    if np.any(items.seg_hi < items.seg_lo):
+        raise ValueError("planner produced a segment with negative length")
+    vis = _pair_visibility(tree, items)
+    length = items.item_len
+    q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+    keep_pair = vis > 0
+    if not keep_pair.all():
+        counts = np.bincount(q_item[keep_pair], minlength=items.num_items)
+        items = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi,
+                          np.concatenate(([0], np.cumsum(counts))), items.q_indices[keep_pair])
+        vis = vis[keep_pair]
+        q_item = q_item[keep_pair]
+    nq = items.item_queries
+    needs_mask = bool(np.any(vis < length[q_item]))
+    keep = np.flatnonzero((length > 0) & (nq > 0))
+    if keep.size != items.num_items:
+        items = items.take(keep)
+        length, nq = length[keep], nq[keep]
+    n_items = items.num_items
+    # -- query tiles: PAT round-up, split only beyond the largest tile
+    rows = nq * group
+    block_m = _choose_block_m(rows, group)
+    q_per_tile = np.maximum(block_m // group, 1)
+    tiles = -(-nq // q_per_tile)
+    # launch order: by tile shape (one launch per shape), longest items first inside a launch so
+    # the long programs start early (less tail)
+    order = np.lexsort((-length, block_m))
+    items = items.take(order)
+    length, nq, block_m, q_per_tile, tiles = (a[order] for a in (length, nq, block_m, q_per_tile, tiles))
+    # KV slots, item after item
+    seg_len = items.seg_hi - items.seg_lo
+    seg_src = tree.kv_indptr[items.seg_node] + items.seg_lo
+    tok = ranges(seg_src, seg_src + seg_len)
+    kv_indices = tree.kv_indices[tok]
+    item_kv_start = np.concatenate(([0], np.cumsum(length)))[:-1]
+    # work units = query tiles
+    w_item = np.repeat(np.arange(n_items), tiles)
+    w_tile = ranges(np.zeros(n_items, np.int64), tiles)
+    w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
+    work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
+    row_q = items.q_indices  # tiles of an item take its queries in order, so rows == item queries
+    merge_order = np.argsort(row_q, kind="stable")
+    merge_indptr = np.concatenate(([0], np.cumsum(np.bincount(row_q, minlength=tree.num_queries))))
+    # launches
+    w_block_m = block_m[w_item]
+    launches, start = [], 0
+    for m in np.unique(w_block_m):
+        cnt = int((w_block_m == m).sum())
+        launches.append(Launch(int(m), block_n, start, start + cnt))
+        start += cnt
+    # tree mask
+    mask = [None] * 5
+    if needs_mask:
+        tok_node = np.repeat(items.seg_node, seg_len)
+        tok_pos = tok - tree.kv_indptr[tok_node]
+        mask = [topo.tin[tok_node], topo.tout[tok_node], tok_pos,
+                topo.tin[tree.query_nodes], tree.query_prefix]
+    # IO
+    hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
+    kv_tok = int(length.sum())
+    kv_tok_tiles = int((length[w_item]).sum())
+    io = PlanIO(
+        kv=kv_tok * hkv * d * 2 * eb,
+        kv_tile_rereads=(kv_tok_tiles - kv_tok) * hkv * d * 2 * eb,
+        queries=int(row_q.size) * hq * d * eb,
+        partial_write=int(row_q.size) * hq * (d + 1) * 4,
+        partial_read=int(row_q.size) * hq * (d + 1) * 4,
+        mask=(kv_tok_tiles * 3 * 4 * hkv) if needs_mask else 0,
+        index=kv_tok_tiles * 4 * hkv,
+        output=tree.num_queries * hq * d * eb,
+    )
+
+    def t(a):
+        return None if a is None else torch.as_tensor(np.asarray(a, dtype=np.int32)).to(device)
+
+    min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
+    return Plan(
+        strategy=strategy, heads=heads, num_queries=tree.num_queries, page_size=tree.page_size,
+        min_slots=min_slots, kv_indices=t(kv_indices),
+        work_kv_start=t(item_kv_start[w_item]), work_kv_end=t(item_kv_start[w_item] + length[w_item]),
+        work_row_indptr=t(work_row_indptr), row_q_indices=t(row_q), merge_indptr=t(merge_indptr),
+        merge_indices=t(merge_order), mask_lo=t(mask[0]), mask_hi=t(mask[1]), mask_pos=t(mask[2]),
+        query_pos=t(mask[3]), query_prefix=t(mask[4]), launches=tuple(launches), io=io,
+        num_items=n_items, reason=reason,
+        stats={"max_item_tokens": int(length.max()) if n_items else 0,
+               "mean_item_tokens": float(length.mean()) if n_items else 0.0},
+    )

@@ -1,0 +1,334 @@
+"""Decoding trees and forests over a (paged) KV cache.
+
+A :class:`DecodingTree` is the host-side description of one decode step of tree-structured
+decoding: which KV tokens exist, how they are shared, and which queries see which tokens.
+
+* Node ``i`` has a parent ``parents[i]`` (``-1`` for a root; several roots make a forest), a token
+  count ``lengths[i] >= 0`` and the KV-cache slot of each of its tokens
+  (``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``; slot ``s`` is token ``s % page_size`` of page
+  ``s // page_size`` of the pool).
+* Query ``j`` sits in node ``query_nodes[j]`` and sees every token of every proper ancestor of that
+  node plus the first ``query_prefix[j]`` tokens of the node itself. Parallel decoding puts one query
+  at each leaf with the whole leaf visible; speculative token trees put a query at every token of
+  a draft tree (a prefix of its own node).
+
+Everything here is NumPy (int64) on the host; planners turn a tree into device tensors.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DecodingTree", "Topology"]
+
+
+def _as_index_array(x, name: str) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype == bool or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    return arr.astype(np.int64, copy=True)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Derived tree structure, computed once per tree (vectorised, no per-node Python loop
+    except one numpy step per tree level).
+
+    Attributes
+    ----------
+    depth : int64 [N]
+        Number of proper ancestors of each node.
+    order : int64 [N]
+        Nodes in depth-first pre-order (children in increasing id order, roots in id order).
+    tin, tout : int64 [N]
+        Pre-order number of each node and one past the last pre-order number in its subtree, so
+        ``a`` is an ancestor-or-self of ``b`` iff ``tin[a] <= tin[b] < tout[a]``.
+    child_indptr, child_indices : int64 [N + 1], [N - roots]
+        Children of each node (CSR), in increasing id order.
+    path_tokens : int64 [N]
+        Tokens of all proper ancestors of each node.
+    flat_start : int64 [N]
+        Offset of each node's first token in the depth-first flattened token order.
+    """
+
+    depth: np.ndarray
+    order: np.ndarray
+    tin: np.ndarray
+    tout: np.ndarray
+    child_indptr: np.ndarray
+    child_indices: np.ndarray
+    path_tokens: np.ndarray
+    flat_start: np.ndarray
+
+
+def _ancestor_table(parents: np.ndarray) -> np.ndarray:
+    """Pointer jumping: returns each node's root, raising ValueError on a cycle."""
+    n = parents.size
+    up = np.where(parents < 0, np.arange(n), parents)
+    for _ in range(max(1, int(np.ceil(np.log2(max(n, 2)))) + 1)):
+        up = up[up]
+    is_root = parents < 0
+    bad = ~is_root[up]
+    if bad.any():
+        node = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"malformed tree: node {node} is on or below a cycle of parent links")
+    return up
+
+
+def _topology(parents: np.ndarray, lengths: np.ndarray) -> Topology:
+    n = parents.size
+    _ancestor_table(parents)
+    # depth by level-synchronous propagation (one numpy step per level)
+    depth = np.zeros(n, dtype=np.int64)
+    path = np.zeros(n, dtype=np.int64)
+    is_root = parents < 0
+    frontier = np.flatnonzero(is_root)
+    nonroot = np.flatnonzero(~is_root)
+    child_order = nonroot[np.lexsort((nonroot, parents[nonroot]))]  # by (parent, id)
+    counts = np.bincount(parents[child_order], minlength=n) if child_order.size else np.zeros(n, np.int64)
+    child_indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=child_indptr[1:])
+    levels = [frontier]
+    while True:
+        kids = _children_of(frontier, child_indptr, child_order)
+        if kids.size == 0:
+            break
+        depth[kids] = depth[parents[kids]] + 1
+        path[kids] = path[parents[kids]] + lengths[parents[kids]]
+        levels.append(kids)
+        frontier = kids
+    # subtree sizes (nodes and tokens), bottom-up
+    size = np.ones(n, dtype=np.int64)
+    sub_tokens = lengths.copy()
+    for kids in reversed(levels[1:]):
+        np.add.at(size, parents[kids], size[kids])
+        np.add.at(sub_tokens, parents[kids], sub_tokens[kids])
+    # pre-order numbers: a child's number = parent's + 1 + sizes of its earlier siblings
+    tin = np.zeros(n, dtype=np.int64)
+    flat = np.zeros(n, dtype=np.int64)
+    roots = levels[0]
+    tin[roots] = np.concatenate(([0], np.cumsum(size[roots])[:-1]))
+    flat[roots] = np.concatenate(([0], np.cumsum(sub_tokens[roots])[:-1]))
+    sib_size = _exclusive_segment_cumsum(size[child_order], child_indptr)
+    sib_tokens = _exclusive_segment_cumsum(sub_tokens[child_order], child_indptr)
+    rank_size = np.empty(n, dtype=np.int64)
+    rank_tokens = np.empty(n, dtype=np.int64)
+    rank_size[child_order] = sib_size
+    rank_tokens[child_order] = sib_tokens
+    for kids in levels[1:]:
+        p = parents[kids]
+        tin[kids] = tin[p] + 1 + rank_size[kids]
+        flat[kids] = flat[p] + lengths[p] + rank_tokens[kids]
+    order = np.empty(n, dtype=np.int64)
+    order[tin] = np.arange(n)
+    return Topology(
+        depth=depth, order=order, tin=tin, tout=tin + size, child_indptr=child_indptr,
+        child_indices=child_order, path_tokens=path, flat_start=flat,
+    )
+
+
+def _children_of(nodes: np.ndarray, indptr: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    starts, ends = indptr[nodes], indptr[nodes + 1]
+    return indices[ranges(starts, ends)]
+
+
+def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, e)`` for each pair, vectorised."""
+    starts = np.asarray(starts, dtype=np.int64)
+    counts = np.asarray(ends, dtype=np.int64) - starts
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    return offsets + np.arange(total, dtype=np.int64)
+
+
+def _exclusive_segment_cumsum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    if values.size == 0:
+        return values.copy()
+    c = np.cumsum(values)
+    seg = np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+    base = np.concatenate(([0], c))[indptr[:-1]]
+    return c - values - base[seg]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodingTree:
+    """A decoding tree or forest over a KV cache; see the module docstring.
+
+    Attributes
+    ----------
+    parents : int64 [N]
+        Parent of each node, ``-1`` for roots. Parents need not precede children.
+    lengths : int64 [N]
+        Tokens held by each node (``>= 0``).
+    kv_indptr, kv_indices : int64 [N + 1], [sum(lengths)]
+        KV-cache slot of every token of every node (CSR by node id).
+    query_nodes, query_prefix : int64 [Q]
+        The node of each query and how many of that node's own tokens it sees.
+    page_size : int
+        Tokens per page of the pool that ``kv_indices`` address.
+    num_slots : int or None
+        Slots in the pool (``num_pages * page_size``); when given, slots are range-checked.
+    """
+
+    parents: np.ndarray
+    lengths: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    query_nodes: np.ndarray
+    query_prefix: np.ndarray
+    page_size: int = 1
+    num_slots: int | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_parents(cls, parents, lengths, *, query_nodes=None, query_prefix=None,
+                     kv_indptr=None, kv_indices=None, page_size: int = 1,
+                     num_slots: int | None = None) -> "DecodingTree":
+        """Build a tree from parent links and token counts.
+
+        Without ``kv_indices``, node ``i``'s tokens are the contiguous slots
+        ``[sum(lengths[:i]), sum(lengths[:i + 1]))``: the layout of :func:`treeattn.tree_attention`.
+        Without ``query_nodes``, there is one query per leaf, leaves in increasing id order.
+        Without ``query_prefix``, each query sees all of its own node.
+        """
+        parents = _as_index_array(parents, "parents")
+        lengths = _as_index_array(lengths, "lengths")
+        if parents.size != lengths.size:
+            raise ValueError(f"parents has {parents.size} nodes but lengths has {lengths.size}")
+        if kv_indices is None:
+            if kv_indptr is not None:
+                raise ValueError("kv_indptr given without kv_indices")
+            kv_indptr = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))))
+            kv_indices = np.arange(kv_indptr[-1], dtype=np.int64)
+        else:
+            kv_indices = _as_index_array(kv_indices, "kv_indices")
+            if kv_indptr is None:
+                kv_indptr = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))))
+            kv_indptr = _as_index_array(kv_indptr, "kv_indptr")
+        if query_nodes is None:
+            has_child = np.zeros(parents.size, dtype=bool)
+            valid_parent = parents[(parents >= 0) & (parents < parents.size)]
+            has_child[valid_parent] = True
+            query_nodes = np.flatnonzero(~has_child)
+        query_nodes = _as_index_array(query_nodes, "query_nodes")
+        if query_prefix is None:
+            ok = (query_nodes >= 0) & (query_nodes < lengths.size)
+            query_prefix = np.where(ok, lengths[np.clip(query_nodes, 0, max(lengths.size - 1, 0))]
+                                    if lengths.size else 0, 0)
+        query_prefix = _as_index_array(query_prefix, "query_prefix")
+        return cls(parents, lengths, kv_indptr, kv_indices, query_nodes, query_prefix,
+                   int(page_size), num_slots)
+
+    def with_queries(self, query_nodes, query_prefix=None) -> "DecodingTree":
+        """The same KV tree with other queries."""
+        return DecodingTree.from_parents(
+            self.parents, self.lengths, query_nodes=query_nodes, query_prefix=query_prefix,
+            kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, page_size=self.page_size,
+            num_slots=self.num_slots)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parents.size)
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.query_nodes.size)
+
+    @property
+    def num_tokens(self) -> int:
+        """Unique KV tokens in the tree."""
+        return int(self.lengths.sum())
+
+    @functools.cached_property
+    def topology(self) -> Topology:
+        return _topology(self.parents, self.lengths)
+
+    @functools.cached_property
+    def visible_tokens(self) -> np.ndarray:
+        """int64 [Q]: KV tokens each query sees."""
+        return self.topology.path_tokens[self.query_nodes] + self.query_prefix
+
+    @functools.cached_property
+    def node_query_counts(self) -> np.ndarray:
+        """int64 [N]: queries in each node's subtree (including the node's own queries)."""
+        topo = self.topology
+        at = np.bincount(topo.tin[self.query_nodes], minlength=self.num_nodes)
+        csum = np.concatenate(([0], np.cumsum(at)))
+        return csum[topo.tout] - csum[topo.tin]
+
+    def sees(self, nodes: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        """Tokens of ``nodes`` visible to ``queries`` (element-wise, int64)."""
+        topo = self.topology
+        qn = self.query_nodes[queries]
+        anc = (topo.tin[nodes] <= topo.tin[qn]) & (topo.tin[qn] < topo.tout[nodes])
+        own = nodes == qn
+        return np.where(own, self.query_prefix[queries], np.where(anc, self.lengths[nodes], 0))
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        p, ln = self.parents, self.lengths
+        n = p.size
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if n == 0:
+            raise ValueError("malformed tree: it has no nodes")
+        bad = np.flatnonzero((p < -1) | (p >= n))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"malformed tree: parent of node {i} is {int(p[i])}, out of range [-1, {n})")
+        self_loop = np.flatnonzero(p == np.arange(n))
+        if self_loop.size:
+            raise ValueError(f"malformed tree: node {int(self_loop[0])} is its own parent (a cycle)")
+        neg = np.flatnonzero(ln < 0)
+        if neg.size:
+            i = int(neg[0])
+            raise ValueError(f"malformed tree: node {i} has negative length {int(ln[i])}")
+        _ancestor_table(p)
+        if self.kv_indptr.size != n + 1 or self.kv_indptr[0] != 0 or np.any(np.diff(self.kv_indptr) != ln):
+            raise ValueError("kv_indptr must be [0, cumsum(lengths)] (one KV slot per token of each node)")
+        if self.kv_indices.size != self.kv_indptr[-1]:
+            raise ValueError(f"kv_indices has {self.kv_indices.size} slots but the nodes hold "
+                             f"{int(self.kv_indptr[-1])} tokens")
+        if self.kv_indices.size:
+            lo, hi = int(self.kv_indices.min()), int(self.kv_indices.max())
+            limit = self.num_slots
+            if lo < 0 or (limit is not None and hi >= limit):
+                idx = int(np.flatnonzero((self.kv_indices < 0) | (self.kv_indices >= (limit or 1 << 62)))[0])
+                node = int(np.searchsorted(self.kv_indptr, idx, side="right") - 1)
+                page = int(self.kv_indices[idx]) // self.page_size
+                raise ValueError(f"page out of range: node {node} uses page {page} (slot "
+                                 f"{int(self.kv_indices[idx])}) but the pool has "
+                                 f"{(limit or 0) // self.page_size} pages")
+        qn, qp = self.query_nodes, self.query_prefix
+        if qn.size != qp.size:
+            raise ValueError(f"query_nodes has {qn.size} queries but query_prefix has {qp.size}")
+        if qn.size == 0:
+            raise ValueError("the tree has no queries")
+        badq = np.flatnonzero((qn < 0) | (qn >= n))
+        if badq.size:
+            j = int(badq[0])
+            raise ValueError(f"query {j} is at node {int(qn[j])}, out of range [0, {n})")
+        badp = np.flatnonzero((qp < 0) | (qp > ln[qn]))
+        if badp.size:
+            j = int(badp[0])
+            raise ValueError(f"query {j} sees prefix {int(qp[j])} of node {int(qn[j])}, which "
+                             f"holds {int(ln[qn[j]])} tokens")
+        empty = np.flatnonzero(self.visible_tokens == 0)
+        if empty.size:
+            j = int(empty[0])
+            raise ValueError(f"query {j} (node {int(qn[j])}) sees no KV token")
+
+    def __repr__(self) -> str:
+        roots = int((self.parents < 0).sum())
+        return (f"DecodingTree(nodes={self.num_nodes}, roots={roots}, tokens={self.num_tokens}, "
+                f"queries={self.num_queries}, page_size={self.page_size})")
