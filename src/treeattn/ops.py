@@ -83,7 +83,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             q, k_cache, v_cache, o_part, lse_part,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
             plan.row_q_indices, *mask_args,
-            launch.work_start, sm_scale * LOG2E,
+            launch.work_start, sm_scale * LOG2E.value,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

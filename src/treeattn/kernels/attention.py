@@ -8,8 +8,8 @@ Layouts (validated by the launchers in :mod:`treeattn.ops`):
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _tree_partial_attention_kernel(
     q_local = offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     row_valid = q_local < num_rows
-    q_idx = tl.load(row_q_indices + row_start + q_local, mask=row_valid, other=0)
+    q_idx = tl.load(row_q_indices + row_start + q_local, mask=row_valid, other=0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
     q = tl.load(Q + q_idx[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
@@ -60,7 +60,8 @@ def _tree_partial_attention_kernel(
     for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0)
+        # int64: page * stride overflows int32 on pools over 2 GiB
+        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
         # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
         page = slot // PAGE_SIZE
         in_page = slot % PAGE_SIZE
@@ -96,7 +97,7 @@ def _tree_partial_attention_kernel(
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-    rows = row_start + q_local
+    rows = (row_start + q_local).to(tl.int64)
     tl.store(O_part + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :], o,
              mask=row_valid[:, None] & d_valid[None, :])
     tl.store(LSE_part + rows * stride_ln + head, lse, mask=row_valid)
@@ -113,7 +114,7 @@ def _merge_states_kernel(
 ):
     """One program = one output row (query) x BLOCK_H heads: log-sum-exp merge of its partial
     states, in the order of the merge map (deterministic)."""
-    n = tl.program_id(0)
+    n = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_valid = offs_h < num_heads
@@ -124,7 +125,7 @@ def _merge_states_kernel(
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for i in range(start, end):
-        r = tl.load(merge_indices + i)
+        r = tl.load(merge_indices + i).to(tl.int64)
         lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
         o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
                     mask=hd_mask, other=0.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, query_node_pairs
+from treeattn.plan.items import WorkItems, items_from_groups, node_extent, query_node_pairs
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree, ranges
 
@@ -21,13 +21,14 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     total = tree.num_tokens
     n_blocks = -(-total // block)
     # pieces of nodes in each block, depth-first order
-    nodes = np.flatnonzero(tree.lengths > 0)
-    start, end = flat[nodes], flat[nodes] + tree.lengths[nodes]
+    extent = node_extent(tree)  # tokens nobody sees are left out of the blocks
+    nodes = np.flatnonzero(extent > 0)
+    start, end = flat[nodes], flat[nodes] + extent[nodes]
     b0, b1 = start // block, (end - 1) // block
     piece_node = np.repeat(nodes, b1 - b0 + 1)
     piece_block = ranges(b0, b1 + 1)
     lo = np.maximum(piece_block * block, flat[piece_node]) - flat[piece_node]
-    hi = np.minimum((piece_block + 1) * block, flat[piece_node] + tree.lengths[piece_node]) - flat[piece_node]
+    hi = np.minimum((piece_block + 1) * block, flat[piece_node] + extent[piece_node]) - flat[piece_node]
     order = np.lexsort((flat[piece_node], piece_block))
     # queries of each block: those whose visible part of some node overlaps it
     q, node, visible = query_node_pairs(tree)

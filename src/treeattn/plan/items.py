@@ -217,5 +217,13 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     owner, seg = np.concatenate(owner), np.concatenate(seg)
     order = np.lexsort((tree.topology.depth[seg], owner))
     owner, seg = owner[order], seg[order]
-    return items_from_groups(owner, seg, np.zeros_like(seg), tree.lengths[seg], node[bottom],
+    return items_from_groups(owner, seg, np.zeros_like(seg), node_extent(tree)[seg], node[bottom],
                              q[bottom], n)
+
+
+def node_extent(tree: DecodingTree) -> np.ndarray:
+    """int64 [N]: leading tokens of each node that some query sees (the rest is never read)."""
+    _, node, visible = query_node_pairs(tree)
+    extent = np.zeros(tree.num_nodes, dtype=np.int64)
+    np.maximum.at(extent, node, visible)
+    return extent

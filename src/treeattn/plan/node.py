@@ -8,18 +8,20 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, query_node_pairs
+from treeattn.plan.items import WorkItems, items_from_groups, node_extent, query_node_pairs
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
 def node_items(tree: DecodingTree) -> WorkItems:
-    """One item per node with tokens: the whole node and every query seeing part of it."""
+    """One item per node with visible tokens: the node (up to the last token anyone sees) and every
+    query seeing part of it."""
     q, node, _ = query_node_pairs(tree)
-    nodes = np.flatnonzero(tree.lengths > 0)
+    extent = node_extent(tree)
+    nodes = np.flatnonzero(extent > 0)
     item_of = np.full(tree.num_nodes, -1, dtype=np.int64)
     item_of[nodes] = np.arange(nodes.size)
-    return items_from_groups(np.arange(nodes.size), nodes, np.zeros_like(nodes), tree.lengths[nodes],
+    return items_from_groups(np.arange(nodes.size), nodes, np.zeros_like(nodes), extent[nodes],
                              item_of[node], q, nodes.size)
 
 

@@ -1,0 +1,142 @@
+"""Planner invariants: every plan covers each query's visible tokens exactly once, KV IO matches
+each strategy's promise, plans are deterministic and leave their inputs alone."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from helpers import expected_coverage, forests, planned_coverage, random_tree
+from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
+from treeattn.plan import CostModel
+from treeattn.plan.items import split_long_items
+from treeattn.plan.node import node_items
+from treeattn.reference import visibility_mask
+from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
+
+HEADS = HeadConfig(8, 2, 64, torch.float16)
+KV_ONCE = ("node", "node_chunk", "flatten")
+
+
+def kv_bytes(tokens: int, heads: HeadConfig = HEADS) -> int:
+    return tokens * heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
+
+
+def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
+    plan = make_plan(tree, heads, strategy=strategy)
+    got_q, got_t = planned_coverage(tree, plan)
+    exp_q, exp_t = expected_coverage(tree)
+    assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t), \
+        f"{strategy}: planned tokens differ from each query's visible tokens (or repeat)"
+    seen_by_someone = int(visibility_mask(tree).any(0).sum())
+    if plan.strategy in KV_ONCE:
+        assert plan.io.kv == kv_bytes(seen_by_someone, heads)
+    elif plan.strategy == "sequence":
+        assert plan.io.kv == kv_bytes(int(tree.visible_tokens.sum()), heads)
+    else:  # pack / greedy may re-read a short prefix to save partial results
+        assert kv_bytes(seen_by_someone, heads) <= plan.io.kv <= kv_bytes(int(tree.visible_tokens.sum()), heads)
+    merge_counts = np.diff(plan.merge_indptr.numpy())
+    assert merge_counts.min() >= 1 and merge_counts.sum() == plan.num_rows
+    assert plan.work_kv_start.dtype == torch.int32
+    return plan
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@given(tree=forests(max_nodes=300, max_len=300))
+def test_random_forests(strategy, tree):
+    check_plan(tree, strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("spec", suite_trees("all"))
+def test_scaled_kernel_suite(strategy, spec):
+    check_plan(tree_from_spec(spec, scale=1 / 16), strategy, HeadConfig(32, 8, 128))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", ["one_node", "one_token", "chain", "star", "forest_of_singletons",
+                                  "zero_length_inner", "medusa64", "medusa256_flat"])
+def test_degenerate_and_speculative_trees(strategy, case):
+    tree = {
+        "one_node": lambda: DecodingTree.from_parents([-1], [37]),
+        "one_token": lambda: DecodingTree.from_parents([-1], [1]),
+        "chain": lambda: DecodingTree.from_parents([-1] + list(range(299)), [3] * 300),
+        "star": lambda: DecodingTree.from_parents([-1] + [0] * 200, [50] + [1] * 200),
+        "forest_of_singletons": lambda: DecodingTree.from_parents([-1] * 40, list(range(1, 41))),
+        "zero_length_inner": lambda: DecodingTree.from_parents([-1, 0, 1, 1, 0], [5, 0, 3, 0, 0],
+                                                               query_nodes=[2, 3, 4, 1]),
+        "medusa64": lambda: tree_from_medusa(64, context_len=300),
+        "medusa256_flat": lambda: tree_from_medusa(256, context_len=70, compress=False),
+    }[case]()
+    check_plan(tree, strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_plans_are_deterministic_and_pure(rng, strategy):
+    tree = random_tree(rng, 80, 60, roots=2, inner_queries=True)
+    before = {k: getattr(tree, k).copy() for k in ("parents", "lengths", "kv_indices", "query_nodes")}
+    a = make_plan(tree, HEADS, strategy=strategy)
+    b = make_plan(tree, HEADS, strategy=strategy)
+    for name in ("kv_indices", "work_kv_start", "work_kv_end", "work_row_indptr", "row_q_indices",
+                 "merge_indptr", "merge_indices"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for k, v in before.items():
+        assert np.array_equal(getattr(tree, k), v), f"planner mutated tree.{k}"
+
+
+def test_shared_prefix_is_read_once_vs_per_query():
+    tree = tree_from_spec("1,64_1000,10")
+    seq = make_plan(tree, HEADS, strategy="sequence")
+    for s in KV_ONCE + ("pack", "greedy"):
+        plan = make_plan(tree, HEADS, strategy=s)
+        assert plan.io.kv == kv_bytes(1000 + 640), s
+    assert seq.io.kv == kv_bytes(64 * 1010)
+
+
+def test_split_long_items_keeps_tokens_and_queries():
+    tree = tree_from_spec("1,3_700,50")
+    items = node_items(tree)
+    split = split_long_items(items, 128)
+    assert split.item_len.max() <= 128
+    assert split.item_len.sum() == items.item_len.sum()
+    assert sorted(split.q_indices[split.q_indptr[0]:split.q_indptr[1]].tolist()) == [0, 1, 2]
+
+
+def test_auto_explains_its_choice():
+    tree = tree_from_spec("1,16,64_1024,256,32")
+    plan = make_plan(tree, HEADS, strategy="auto")
+    text = plan.explain()
+    assert plan.strategy in STRATEGIES[1:]
+    assert f"auto chose {plan.strategy}" in text and "estimates" in text
+    for s in STRATEGIES[1:]:
+        assert s in text
+
+
+def test_pack_merges_short_prefixes_and_splits_long_ones():
+    long_prefix = tree_from_spec("1,4_4096,16")  # 4 * 4 < 4096: keep the root on its own
+    plan = make_plan(long_prefix, HeadConfig(4, 4, 64), strategy="pack")
+    assert plan.io.kv == kv_bytes(4096 + 64, HeadConfig(4, 4, 64))
+    # each level-1 child holds 4 queries: 4 * 4 >= 8, so the 8-token root is merged into each
+    # of them (read 4 times); level-2 leaves (1 query each) stay on their own
+    short_prefix = tree_from_spec("1,4,16_8,512,1")
+    plan = make_plan(short_prefix, HeadConfig(4, 4, 64), strategy="pack")
+    assert plan.io.kv == kv_bytes(4 * (8 + 512) + 16, HeadConfig(4, 4, 64))
+    assert "4 of 20 edges merged" in plan.reason
+
+
+def test_bad_arguments():
+    tree = tree_from_spec("1,2_8,4")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_plan(tree, HEADS, strategy="bogus")
+    with pytest.raises(TypeError, match="DecodingTree"):
+        make_plan("1,2_8,4", HEADS)
+    with pytest.raises(ValueError, match="multiple of"):
+        HeadConfig(6, 4, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        HeadConfig(4, 4, 0)
+
+
+def test_cost_model_prefers_sharing_for_wide_trees():
+    tree = tree_from_spec("1,256_2048,32")
+    cost = CostModel()
+    plan = make_plan(tree, HeadConfig(32, 8, 128), strategy="auto", cost=cost)
+    assert plan.strategy != "sequence"
