@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
-import numpy as np
 import torch
 import triton
 
 from treeattn import STRATEGIES, TreeAttention
+from treeattn.bench.timing import capture, provenance
 from treeattn.reference import visibility_mask
 from treeattn.workloads import suite_trees, tree_from_spec
 
@@ -76,14 +75,7 @@ def main(argv=None) -> int:
                 ok = bool(torch.isfinite(out).all()) and err <= 1e-2
                 # CUDA graph: capture run() and replay into a poisoned buffer
                 g_out = torch.full_like(q, float("nan"))
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    w.run(q, kc, vc, plan, out=g_out)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    w.run(q, kc, vc, plan, out=g_out)
+                graph = capture(w, plan, q, kc, vc, g_out)
                 g_out.fill_(float("nan"))
                 graph.replay()
                 torch.cuda.synchronize()
@@ -102,12 +94,9 @@ def main(argv=None) -> int:
             rows.append(row)
             us = " ".join(f"{s}={row['us'].get(s, float('nan')):.1f}" for s in strategies)
             print(f"{spec:48s} {hq}/{hkv} maxerr={max(row['err'].values()):.1e} us: {us}", flush=True)
-            del q, k, v, ref, kc, vc
             torch.cuda.empty_cache()
     result = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "commit": os.environ.get("TREEATTN_COMMIT", "unknown"),
-        "dtype": "float16", "head_dim": d, "tolerance": 1e-2, "seconds": round(time.time() - t_start, 1),
+        **provenance(), "dtype": "float16", "head_dim": d, "tolerance": 1e-2, "seconds": round(time.time() - t_start, 1),
         "failures": failures, "rows": rows,
     }
     if args.out:

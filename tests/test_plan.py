@@ -37,6 +37,9 @@ def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
     merge_counts = np.diff(plan.merge_indptr.numpy())
     assert merge_counts.min() >= 1 and merge_counts.sum() == plan.num_rows
     assert plan.work_kv_start.dtype == torch.int32
+    bounds = [(l.work_start, l.work_end) for l in plan.launches]
+    assert bounds[0][0] == 0 and bounds[-1][1] == plan.num_work
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), "launches must tile the work units"
     return plan
 
 

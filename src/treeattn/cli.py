@@ -1,4 +1,4 @@
-"""Command line: ``treeattn demo`` (every strategy on one decoding tree)."""
+"""Command line: ``treeattn demo`` (every strategy on one decoding tree), ``treeattn bench ...``."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ import time
 import torch
 
 from treeattn import STRATEGIES, DecodingTree, TreeAttention, reference_attention
+from treeattn.bench import kernels
 from treeattn.workloads import tree_from_spec, tree_from_tot_template
 
 log = logging.getLogger("treeattn")
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo)
+    bench = sub.add_parser("bench", help="benchmarks on a CUDA GPU").add_subparsers(dest="bench", required=True)
+    kernels.add_parser(bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     return args.func(args)

@@ -91,7 +91,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
             HAS_MASK=plan.has_mask, DOT_PRECISION=precision, UPCAST=upcast,
-            num_warps=4, num_stages=2,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
 
 
@@ -103,7 +103,10 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_indptr: t
     if n == 0:
         return
     block_d = triton.next_power_of_2(d)
-    block_h = max(1, min(triton.next_power_of_2(heads), max(1, 4096 // block_d)))
+    # each program walks its query's partial rows one after another (latency-bound), so give the
+    # grid at least ~1024 programs before packing several heads into one
+    cap = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     _merge_states_kernel[grid](

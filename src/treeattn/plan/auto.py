@@ -2,6 +2,8 @@
 fastest, saying why in ``plan.explain()``."""
 from __future__ import annotations
 
+import numpy as np
+
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
@@ -16,7 +18,8 @@ def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: 
         items, note = planner(tree, heads, cost)
         length, nq = items.item_len, items.item_queries
         used = (length > 0) & (nq > 0)
-        t = cost.estimate(length[used], nq[used], heads, masked=name == "flatten")
+        per_query = np.bincount(items.q_indices, minlength=tree.num_queries)
+        t = cost.estimate(length[used], nq[used], heads, merge_rows_max=int(per_query.max()))
         scored.append((t, name, items, note))
     scored.sort(key=lambda s: s[0])
     best = scored[0]

@@ -80,6 +80,8 @@ class Launch:
     block_n: int
     work_start: int
     work_end: int
+    num_warps: int = 4
+    num_stages: int = 2
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,12 +193,23 @@ def _pair_visibility(tree: DecodingTree, items: WorkItems) -> np.ndarray:
     return np.bincount(owner, weights=vis, minlength=q_item.size).astype(np.int64)
 
 
-def default_block_n(head_dim: int) -> int:
-    return 64 if head_dim <= 128 else 32
+#: KV-tile launch configs (block_n, num_warps, num_stages), picked per item by KV length (PAT's
+#: tile selector): short items waste less of a small tile, long ones pipeline deeper. Measured on
+#: an H200 over the kernel suite (benchmarks/sweep_kernels.py, benchmarks/NOTES.md).
+SHORT_ITEM_TOKENS = 48
+TILE_SHORT = (32, 4, 2)
+TILE_LONG = (64, 4, 3)
+TILE_LONG_HEAD256 = (32, 4, 2)
+
+
+def _choose_kv_tile(length: np.ndarray, head_dim: int) -> np.ndarray:
+    """int64 [n, 3]: (block_n, num_warps, num_stages) of each item."""
+    long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
+    return np.where((length <= SHORT_ITEM_TOKENS)[:, None], np.array(TILE_SHORT), np.array(long_cfg))
 
 
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
-               device="cpu", block_n: int | None = None, reason: str = "") -> Plan:
+               device="cpu", reason: str = "") -> Plan:
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
@@ -204,7 +217,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     """
     topo = tree.topology
     group = heads.group
-    block_n = block_n or default_block_n(heads.head_dim)
     # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
     # (long-KV split) can leave a query of a partially visible node with nothing in a chunk;
     # such pairs are dropped, then items without tokens or queries.
@@ -232,11 +244,13 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     block_m = _choose_block_m(rows, group)
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
+    kv_tile = _choose_kv_tile(length, heads.head_dim)
     # launch order: by tile shape (one launch per shape), longest items first inside a launch so
     # the long programs start early (less tail)
-    order = np.lexsort((-length, block_m))
+    order = np.lexsort((-length, kv_tile[:, 0], block_m))
     items = items.take(order)
-    length, nq, block_m, q_per_tile, tiles = (a[order] for a in (length, nq, block_m, q_per_tile, tiles))
+    length, nq, block_m, q_per_tile, tiles, kv_tile = (
+        a[order] for a in (length, nq, block_m, q_per_tile, tiles, kv_tile))
     # KV slots, item after item
     seg_len = items.seg_hi - items.seg_lo
     seg_src = tree.kv_indptr[items.seg_node] + items.seg_lo
@@ -251,13 +265,12 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     row_q = items.q_indices  # tiles of an item take its queries in order, so rows == item queries
     merge_order = np.argsort(row_q, kind="stable")
     merge_indptr = np.concatenate(([0], np.cumsum(np.bincount(row_q, minlength=tree.num_queries))))
-    # launches
-    w_block_m = block_m[w_item]
-    launches, start = [], 0
-    for m in np.unique(w_block_m):
-        cnt = int((w_block_m == m).sum())
-        launches.append(Launch(int(m), block_n, start, start + cnt))
-        start += cnt
+    # launches: one per (block_m, kv tile) shape; work units are already grouped by shape
+    shape = np.column_stack((block_m[w_item], kv_tile[w_item]))
+    bounds = np.flatnonzero(np.any(np.diff(shape, axis=0) != 0, axis=1)) + 1
+    launches = [Launch(int(shape[a, 0]), int(shape[a, 1]), int(a), int(b), int(shape[a, 2]), int(shape[a, 3]))
+                for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [shape.shape[0]])))
+                if b > a]
     # tree mask
     mask = [None] * 5
     if needs_mask:
