@@ -266,6 +266,63 @@ class DecodingTree:
         csum = np.concatenate(([0], np.cumsum(at)))
         return csum[topo.tout] - csum[topo.tin]
 
+    @functools.cached_property
+    def effective_queries(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(node, prefix)`` [Q]: each query moved up to the deepest node of which it sees
+        at least one token (a query at ``u`` with prefix 0 sees what one at ``parent(u)`` with the
+        whole parent visible sees), so ``prefix >= 1``."""
+        node = self.query_nodes.copy()
+        prefix = self.query_prefix.copy()
+        todo = np.flatnonzero(prefix == 0)
+        while todo.size:
+            node[todo] = self.parents[node[todo]]
+            prefix[todo] = self.lengths[node[todo]]
+            todo = todo[prefix[todo] == 0]
+        return node, prefix
+
+    @functools.cached_property
+    def visible_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 ``(query, node, visible)``: every (query, node) pair where the query sees
+        ``visible >= 1`` leading tokens of the node; by query, then root first along its path."""
+        eff_node, eff_prefix = self.effective_queries
+        owner, node = self.paths(eff_node)
+        visible = np.where(node == eff_node[owner], eff_prefix[owner], self.lengths[node])
+        keep = visible > 0
+        return owner[keep], node[keep], visible[keep]
+
+    @functools.cached_property
+    def node_extent(self) -> np.ndarray:
+        """int64 [N]: leading tokens of each node that some query sees (the rest is never read)."""
+        _, node, visible = self.visible_pairs
+        extent = np.zeros(self.num_nodes, dtype=np.int64)
+        np.maximum.at(extent, node, visible)
+        return extent
+
+    @functools.cached_property
+    def subtree_queries(self) -> np.ndarray:
+        """int64 [N]: queries whose visible KV ends in each node's subtree."""
+        topo = self.topology
+        at = np.bincount(topo.tin[self.effective_queries[0]], minlength=self.num_nodes)
+        csum = np.concatenate(([0], np.cumsum(at)))
+        return csum[topo.tout] - csum[topo.tin]
+
+    def paths(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Root-to-node paths: int64 ``(owner, node)`` listing, for each entry ``k`` of ``nodes``,
+        its ancestors root first and then itself (``owner`` = ``k``)."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        owners, segs = [], []
+        cur, alive = nodes.copy(), np.arange(nodes.size)
+        while alive.size:
+            owners.append(alive)
+            segs.append(cur)
+            nxt = self.parents[cur]
+            keep = nxt >= 0
+            alive, cur = alive[keep], nxt[keep]
+        owner = np.concatenate(owners)
+        seg = np.concatenate(segs)
+        order = np.lexsort((self.topology.depth[seg], owner))
+        return owner[order], seg[order]
+
     def sees(self, nodes: np.ndarray, queries: np.ndarray) -> np.ndarray:
         """Tokens of ``nodes`` visible to ``queries`` (element-wise, int64)."""
         topo = self.topology

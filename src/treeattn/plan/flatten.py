@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, node_extent, query_node_pairs
+from treeattn.plan.items import WorkItems, items_from_groups
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree, ranges
 
@@ -21,7 +21,7 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     total = tree.num_tokens
     n_blocks = -(-total // block)
     # pieces of nodes in each block, depth-first order
-    extent = node_extent(tree)  # tokens nobody sees are left out of the blocks
+    extent = tree.node_extent  # tokens nobody sees are left out of the blocks
     nodes = np.flatnonzero(extent > 0)
     start, end = flat[nodes], flat[nodes] + extent[nodes]
     b0, b1 = start // block, (end - 1) // block
@@ -31,7 +31,7 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     hi = np.minimum((piece_block + 1) * block, flat[piece_node] + extent[piece_node]) - flat[piece_node]
     order = np.lexsort((flat[piece_node], piece_block))
     # queries of each block: those whose visible part of some node overlaps it
-    q, node, visible = query_node_pairs(tree)
+    q, node, visible = tree.visible_pairs
     qb0, qb1 = flat[node] // block, (flat[node] + visible - 1) // block
     pair_block = ranges(qb0, qb1 + 1)
     pair_q = np.repeat(q, qb1 - qb0 + 1)

@@ -14,39 +14,38 @@ import numpy as np
 
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, glued_items, split_long_items
-from treeattn.plan.pack import subtree_query_counts
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
-def _pad(tile: int, n: int) -> int:
-    return tile - ((n - 1) % tile + 1)
-
-
 def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     topo = tree.topology
-    d = heads.head_dim
     a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
     tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
-
-    def pad_cost(nq: int, length: int) -> float:
-        return a * _pad(tq, nq) * length * d + b * nq * _pad(tc, min(length, tc)) * d
-
-    rows = (subtree_query_counts(tree) * heads.group).tolist()
+    rows = (tree.subtree_queries * heads.group).tolist()
     length = tree.lengths.tolist()
     indptr, kids = topo.child_indptr.tolist(), topo.child_indices.tolist()
     glued = np.zeros(tree.num_nodes, dtype=bool)
-    bfs = np.argsort(topo.depth, kind="stable").tolist()
-    for v in bfs:
+    internal = np.flatnonzero(np.diff(topo.child_indptr) > 0)
+    # costs are in units of head_dim (every term has one factor d); the padding cost of a group
+    # is alpha * Pad(TS_q, nQ) * len + beta * nQ * Pad(TS_c, min(len, TS_c)) (FastTree eqs. 3-7),
+    # written out inline because this loop runs once per edge
+    for v in internal[np.argsort(topo.depth[internal], kind="stable")].tolist():
         nq_cur, len_v = rows[v], length[v]
+        pad_kv_v = tc - ((min(len_v, tc) - 1) % tc + 1)
         for l in kids[indptr[v]:indptr[v + 1]]:
             nq_l, len_l = rows[l], length[l]
-            split_kv = pad_cost(nq_cur, len_v) + pad_cost(nq_l, len_l) + g * nq_l * d
-            split_q = pad_cost(nq_cur - nq_l, len_v) + pad_cost(nq_l, len_v + len_l)
+            nq_rest, len_lv = nq_cur - nq_l, len_v + len_l
+            split_kv = (a * (tq - ((nq_cur - 1) % tq + 1)) * len_v + b * nq_cur * pad_kv_v
+                        + a * (tq - ((nq_l - 1) % tq + 1)) * len_l
+                        + b * nq_l * (tc - ((min(len_l, tc) - 1) % tc + 1)) + g * nq_l)
+            split_q = (a * (tq - ((nq_rest - 1) % tq + 1)) * len_v + b * nq_rest * pad_kv_v
+                       + a * (tq - ((nq_l - 1) % tq + 1)) * len_lv
+                       + b * nq_l * (tc - ((min(len_lv, tc) - 1) % tc + 1)))
             if split_kv > split_q:
                 glued[l] = True
-                nq_cur -= nq_l
-                length[l] = len_l + len_v
+                nq_cur = nq_rest
+                length[l] = len_lv
     items = glued_items(tree, glued)
     note = ""
     item_len = items.item_len

@@ -14,7 +14,7 @@ import numpy as np
 
 from treeattn.tree import DecodingTree, ranges
 
-__all__ = ["WorkItems", "items_from_groups", "split_long_items", "path_segments"]
+__all__ = ["WorkItems", "items_from_groups", "split_long_items", "glued_items"]
 
 
 @dataclass(frozen=True)
@@ -87,34 +87,6 @@ def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_i
         _indptr(np.bincount(q_item, minlength=num_items)), np.asarray(q_query, dtype=np.int64)[qo])
 
 
-def path_segments(tree: DecodingTree, nodes: np.ndarray, stop: np.ndarray | None = None):
-    """Root-to-node paths as segments.
-
-    For each entry ``k`` of ``nodes``, the segments of its ancestors (root first), stopping below
-    ancestor ``stop[k]`` when given (``-1`` = go up to the root), and the node itself.
-
-    Returns ``(owner, seg_node)``: int64 arrays, ``owner`` = index into ``nodes``, in root-first
-    order for each owner.
-    """
-    parents = tree.parents
-    nodes = np.asarray(nodes, dtype=np.int64)
-    stop = np.full(nodes.size, -1, dtype=np.int64) if stop is None else np.asarray(stop, np.int64)
-    owners, segs = [], []
-    cur = nodes.copy()
-    alive = np.arange(nodes.size)
-    while alive.size:
-        owners.append(alive)
-        segs.append(cur)
-        nxt = parents[cur]
-        keep = (nxt >= 0) & (nxt != stop[alive])
-        alive, cur = alive[keep], nxt[keep]
-    owner = np.concatenate(owners)
-    seg_node = np.concatenate(segs)
-    depth = tree.topology.depth[seg_node]
-    order = np.lexsort((depth, owner))
-    return owner[order], seg_node[order]
-
-
 def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int = 16) -> WorkItems:
     """Split every item longer than ``max_len`` (scalar or per item) into equal chunks of at most
     ``max_len`` tokens (rounded up to ``align``), each with all the item's queries: Flash-Decoding's
@@ -160,36 +132,6 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
                              int(chunks.sum()))
 
 
-def effective_queries(tree: DecodingTree) -> tuple[np.ndarray, np.ndarray]:
-    """Each query moved up to the deepest node of which it sees at least one token.
-
-    A query at node ``u`` with prefix 0 sees exactly what a query at ``parent(u)`` with the whole
-    parent visible sees; planners group queries by the node where their visible KV ends.
-    Returns int64 ``(node, prefix)`` arrays of length Q with ``prefix >= 1``.
-    """
-    node = tree.query_nodes.copy()
-    prefix = tree.query_prefix.copy()
-    todo = np.flatnonzero(prefix == 0)
-    while todo.size:
-        node[todo] = tree.parents[node[todo]]
-        prefix[todo] = tree.lengths[node[todo]]
-        todo = todo[prefix[todo] == 0]
-    return node, prefix
-
-
-def query_node_pairs(tree: DecodingTree) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every (query, node) pair where the query sees at least one token of the node.
-
-    Returns int64 ``(query, node, visible)`` sorted by query, then root-first along its path;
-    ``visible`` is how many of the node's tokens (a prefix of them) the query sees.
-    """
-    eff_node, eff_prefix = effective_queries(tree)
-    owner, node = path_segments(tree, eff_node)
-    visible = np.where(node == eff_node[owner], eff_prefix[owner], tree.lengths[node])
-    keep = visible > 0
-    return owner[keep], node[keep], visible[keep]
-
-
 def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     """Items of a tree whose edges are cut or glued (PAT's merge schemes, FastTree's binary edge
     assignment).
@@ -199,8 +141,8 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
     the bottom of such a chain on their path.
     """
-    eff_node, _ = effective_queries(tree)
-    q, node = path_segments(tree, eff_node)  # zero-length nodes kept: they can carry glue
+    eff_node, _ = tree.effective_queries
+    q, node = tree.paths(eff_node)  # zero-length nodes kept: they can carry glue
     nxt_same = np.append(q[1:] == q[:-1], False)
     nxt_node = np.append(node[1:], -1)
     bottom = ~nxt_same | ~glued[np.maximum(nxt_node, 0)] | (nxt_node < 0)
@@ -217,13 +159,5 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     owner, seg = np.concatenate(owner), np.concatenate(seg)
     order = np.lexsort((tree.topology.depth[seg], owner))
     owner, seg = owner[order], seg[order]
-    return items_from_groups(owner, seg, np.zeros_like(seg), node_extent(tree)[seg], node[bottom],
+    return items_from_groups(owner, seg, np.zeros_like(seg), tree.node_extent[seg], node[bottom],
                              q[bottom], n)
-
-
-def node_extent(tree: DecodingTree) -> np.ndarray:
-    """int64 [N]: leading tokens of each node that some query sees (the rest is never read)."""
-    _, node, visible = query_node_pairs(tree)
-    extent = np.zeros(tree.num_nodes, dtype=np.int64)
-    np.maximum.at(extent, node, visible)
-    return extent

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, node_extent, query_node_pairs
+from treeattn.plan.items import WorkItems, items_from_groups
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
@@ -16,8 +16,8 @@ from treeattn.tree import DecodingTree
 def node_items(tree: DecodingTree) -> WorkItems:
     """One item per node with visible tokens: the node (up to the last token anyone sees) and every
     query seeing part of it."""
-    q, node, _ = query_node_pairs(tree)
-    extent = node_extent(tree)
+    q, node, _ = tree.visible_pairs
+    extent = tree.node_extent
     nodes = np.flatnonzero(extent > 0)
     item_of = np.full(tree.num_nodes, -1, dtype=np.int64)
     item_of[nodes] = np.arange(nodes.size)

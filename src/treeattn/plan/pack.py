@@ -13,23 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, effective_queries, glued_items, split_long_items
+from treeattn.plan.items import WorkItems, glued_items, split_long_items
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
-def subtree_query_counts(tree: DecodingTree) -> np.ndarray:
-    """int64 [N]: queries whose visible KV ends in each node's subtree."""
-    topo = tree.topology
-    eff, _ = effective_queries(tree)
-    at = np.bincount(topo.tin[eff], minlength=tree.num_nodes)
-    csum = np.concatenate(([0], np.cumsum(at)))
-    return csum[topo.tout] - csum[topo.tin]
-
-
 def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     topo = tree.topology
-    size = subtree_query_counts(tree) * heads.group
+    size = tree.subtree_queries * heads.group
     glued = np.zeros(tree.num_nodes, dtype=bool)
     chain = tree.lengths.copy()  # len_s: tokens of the blocks a node's pack reads
     by_depth = np.argsort(topo.depth, kind="stable")

@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, query_node_pairs, split_long_items
+from treeattn.plan.items import WorkItems, items_from_groups, split_long_items
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
 def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
-    q, node, visible = query_node_pairs(tree)
+    q, node, visible = tree.visible_pairs
     items = items_from_groups(q, node, np.zeros_like(node), visible, np.arange(tree.num_queries),
                               np.arange(tree.num_queries), tree.num_queries)
     path = tree.visible_tokens
