@@ -4,18 +4,18 @@ import sys
 from treeattn.cli import main
 
 
-def test_demo_on_a_suite_tree(capsys):
-    assert main(["demo", "--tree", "1,4,8_300,40,9", "--heads", "8/2", "--head-dim", "64"]) == 0
+def test_attention_on_a_suite_tree(capsys):
+    assert main(["attention", "--tree", "1,4,8_300,40,9", "--heads", "8/2", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
     for s in ("sequence", "node_chunk", "flatten", "pack", "greedy", "auto ->"):
         assert s in out
 
 
-def test_demo_on_a_tot_template(capsys):
-    assert main(["demo", "--template", "docmerge", "--heads", "4/4", "--head-dim", "64"]) == 0
+def test_attention_on_a_tot_template(capsys):
+    assert main(["attention", "--template", "docmerge", "--heads", "4/4", "--head-dim", "64"]) == 0
     assert "Tree-of-Thoughts template 'docmerge'" in capsys.readouterr().out
 
 
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "treeattn.cli", "--help"], capture_output=True, text=True)
-    assert proc.returncode == 0 and "demo" in proc.stdout
+    assert proc.returncode == 0 and all(c in proc.stdout for c in ("demo", "run", "attention", "bench"))

@@ -55,7 +55,7 @@ def hf_last_logits(hf, tokens):
 def check_leaves(hf, leaves):
     assert leaves
     for leaf in leaves:
-        err = (hf_last_logits(hf, leaf["tokens"]) - leaf["logits"]).abs().max().item()
+        err = (hf_last_logits(hf, leaf["tokens"]) - leaf["logits"].cpu()).abs().max().item()
         assert err <= TOL, f"leaf {leaf['node']} ({len(leaf['tokens'])} tokens): max abs diff {err}"
 
 
@@ -81,6 +81,24 @@ def test_beam_search_matches_transformers_generate(tiny, model):
     np.testing.assert_allclose(ours["scores"], ref.sequences_scores.tolist(), atol=1e-4)
     eng.reset()
     assert eng.pool.num_free_pages == eng.pool.num_pages
+
+
+@pytest.mark.parametrize("length_penalty, early_stopping", [(1.0, False), (0.5, True), (2.0, "never")])
+def test_beam_search_with_eos_matches_transformers(tiny, model, length_penalty, early_stopping):
+    hf, _ = tiny
+    prompt = [5, 17, 99, 3, 42, 7, 1, 200]
+    plain = hf.generate(torch.tensor([prompt]), num_beams=4, do_sample=False, max_new_tokens=16)
+    eos = int(plain[0, len(prompt) + 3])           # a token beams do generate
+    ref = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=3, do_sample=False,
+                      max_new_tokens=16, eos_token_id=eos, pad_token_id=eos, length_penalty=length_penalty,
+                      early_stopping=early_stopping, output_scores=True, return_dict_in_generate=True)
+    eng = TreeEngine(model, page_size=4, kv_tokens=2048)
+    ours = eng.run(BeamSearchController(prompt, num_beams=4, max_new_tokens=16, eos_token_ids=[eos],
+                                        length_penalty=length_penalty, early_stopping=early_stopping,
+                                        num_return_sequences=3))
+    for mine, theirs in zip(ours["sequences"], ref.sequences.tolist()):
+        assert theirs[: len(mine)] == mine and set(theirs[len(mine):]) <= {eos}   # HF pads with EOS
+    np.testing.assert_allclose(ours["scores"], ref.sequences_scores.tolist(), atol=1e-4)
 
 
 def _branch_and_prune() -> Callbacks:
@@ -110,6 +128,18 @@ def test_sampled_tree_leaf_logits_match_transformers(tiny, model, strategy):
     eng.reset()
     eng.pool.check()
     assert eng.pool.num_free_pages == eng.pool.num_pages
+
+
+def test_sampling_with_eos_finishes_and_frees_leaves(tiny, model):
+    hf, _ = tiny
+    eng = TreeEngine(model, page_size=4, kv_tokens=2048)
+    eos = list(range(0, 256, 9))
+    leaves = eng.run(SamplingController([list(range(1, 10))], n=6, sampler=Sampler(temperature=2.0, seed=0),
+                                        max_new_tokens=40, eos_token_ids=eos))["leaves"]
+    finished = [leaf for leaf in leaves if leaf["finished"]]
+    assert finished and all(leaf["tokens"][-1] in eos for leaf in finished)
+    check_leaves(hf, leaves)
+    assert all(leaf["node"] not in eng.tree for leaf in finished)      # pruned: KV freed
 
 
 def test_decode_windows_without_callbacks_match(tiny, model):
@@ -158,7 +188,7 @@ def test_speculative_verification_matches_transformers(tiny, model):
 
 
 def test_tot_replay_200_steps_leaks_no_pages(model):
-    ctl = ToTReplayController.from_template("sorting", prompt=list(range(64)), vocab_size=256, scale=0.02,
+    ctl = ToTReplayController.from_template("sorting", prompt=list(range(64)), vocab_size=256, scale=0.05,
                                             sampler=Sampler(seed=0))
     assert ctl.total_steps() > 200
     eng = TreeEngine(model, page_size=16, kv_tokens=8192)
@@ -215,3 +245,58 @@ def test_sharded_checkpoint_loads(tmp_path, tiny, model):
     sharded = TreeModel.from_pretrained(path)
     for a, b in zip(sharded.weights.layers, model.weights.layers):
         assert torch.equal(a.qkv, b.qkv) and torch.equal(a.gate_up, b.gate_up)
+
+
+def test_cuda_graph_runner_logic(tiny, model, monkeypatch):
+    """The piecewise-graph runner (buffers, bucket padding, pad slot, attention between the
+    segments) with each 'graph' replaced by a direct call of its segment (CPU has no CUDA graphs)."""
+    from treeattn.engine.graphs import DecodeGraphs
+
+    class Direct:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(self, m):
+        if m > self._cap:
+            self._alloc(max(m, 2 * self._cap))
+        self._bufs["meta"][m: 2 * m].fill_(self.kv.pad_slot)
+        return [Direct(f) for f in self._segments(m)]
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    hf, _ = tiny
+    eng = TreeEngine(model, strategy="greedy", page_size=4, kv_tokens=2048)
+    eng.graphs = DecodeGraphs(model, eng.kv)
+    eng.prepare_graphs([3])
+    ctl = SamplingController([list(range(1, 25)), [9, 9, 9]], n=3, sampler=Sampler(seed=4), max_new_tokens=9,
+                             callbacks=periodic_branching(3, 2, 40))
+    check_leaves(hf, eng.run(ctl)["leaves"])        # 6, 12, then 24 leaves: buckets 8, 12, 24
+    assert not eng.graphs.disabled and eng.graphs.max_diff < 1e-5 and eng.graphs._checked == {4, 8, 12, 24}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strategy", ["auto", "sequence", "flatten"])
+def test_cuda_engine_matches_transformers(tiny, strategy):
+    """The GPU path: Triton kernels, piecewise CUDA graphs (checked against eager), asynchronous
+    decode windows, speculative verification and beam search, all in fp32 against transformers."""
+    hf, path = tiny
+    m = TreeModel.from_pretrained(path, device="cuda", dtype=torch.float32)
+    eng = TreeEngine(m, strategy=strategy, page_size=16, kv_tokens=8192)
+    assert eng.graphs is not None
+    eng.prepare_graphs([4, 8])
+    ctl = SamplingController([list(range(10, 47)), [7, 8, 9]], n=2, sampler=Sampler(seed=3), max_new_tokens=24,
+                             callbacks=periodic_branching(8, 2, 8))
+    check_leaves(hf, eng.run(ctl)["leaves"])
+    assert not eng.graphs.disabled and eng.graphs.max_diff < 1e-4
+    eng.reset()
+    spec = SpeculativeReplayController([-1, -1, 0, 0, 1, 2], [3, 1, 2, 4], list(range(20, 30)),
+                                       sampler=Sampler(seed=1), vocab_size=256)
+    out = eng.run(spec)
+    assert (eng.logits_of(spec.ctx).cpu() - hf_last_logits(hf, out["tokens"])).abs().max() <= TOL
+    eng.reset()
+    prompt = [5, 17, 99, 3, 42, 7, 1, 200]
+    ours = eng.run(BeamSearchController(prompt, num_beams=4, max_new_tokens=16))
+    ref = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, do_sample=False,
+                      max_new_tokens=16)
+    assert ours["sequences"] == ref.sequences.tolist()
+    eng.reset()
+    assert eng.pool.num_free_pages == eng.pool.num_pages

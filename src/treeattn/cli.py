@@ -1,4 +1,5 @@
-"""Command line: ``treeattn demo`` (every strategy on one decoding tree), ``treeattn bench ...``."""
+"""Command line: ``treeattn demo`` (end-to-end tree decoding), ``treeattn run``, ``treeattn attention``
+(every strategy on one decoding tree) and ``treeattn bench kernels|e2e``."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import torch
 
 from treeattn import STRATEGIES, DecodingTree, TreeAttention, reference_attention
 from treeattn.bench import kernels
+from treeattn.engine.cli import add_bench_e2e_parser, add_demo_parser, add_run_parser
 from treeattn.workloads import tree_from_spec, tree_from_tot_template
 
 log = logging.getLogger("treeattn")
@@ -28,7 +30,7 @@ def _demo_tree(args) -> tuple[DecodingTree, str]:
         return tree_from_spec(BUILTIN_TREE), f"built-in tree {BUILTIN_TREE}"
 
 
-def demo(args) -> int:
+def attention(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -77,7 +79,9 @@ def demo(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="treeattn", description="Prefix-aware tree attention.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("demo", help="run every strategy on one decoding tree and compare IO and error")
+    add_demo_parser(sub)
+    add_run_parser(sub)
+    p = sub.add_parser("attention", help="every strategy on one decoding tree: KV bytes and error")
     p.add_argument("--template", default="sorting", help="ToT template: sorting|docmerge|keyword|set")
     p.add_argument("--index", type=int, default=0, help="which tree of the template file")
     p.add_argument("--tree", default=None, help="a kernel-suite spec instead, e.g. 1,16,64_1024,256,32")
@@ -85,9 +89,10 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=demo)
+    p.set_defaults(func=attention)
     bench = sub.add_parser("bench", help="benchmarks on a CUDA GPU").add_subparsers(dest="bench", required=True)
     kernels.add_parser(bench)
+    add_bench_e2e_parser(bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     return args.func(args)

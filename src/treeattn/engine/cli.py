@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 
@@ -23,7 +22,6 @@ from treeattn.engine.workloads import WORKLOADS, WorkloadSpec, build_workload
 
 __all__ = ["add_run_parser", "add_bench_e2e_parser", "add_demo_parser"]
 
-log = logging.getLogger("treeattn")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,7 +82,8 @@ def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="auto,sequence", help="compared with the last one")
     p.add_argument("--steps", type=int, default=50, help="timed decode steps per workload and strategy")
     p.add_argument("--windows", type=int, default=5, help="places in each workload the timed steps sit")
-    p.add_argument("--breakdown-steps", type=int, default=2, help="isolated steps per window for the breakdown")
+    p.add_argument("--breakdown-steps", type=int, default=2,
+                   help="isolated steps per window for the breakdown")
     p.add_argument("--json", metavar="OUT", default=None)
     p.add_argument("--png", metavar="OUT", default=None)
     p.set_defaults(func=bench_command)
@@ -96,7 +95,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="end-to-end Tree-of-Thoughts decoding with a tiny random model")
     p.add_argument("--template", default="sorting", help="ToT template: sorting | docmerge | keyword | set")
     p.add_argument("--scale", type=float, default=0.02, help="multiply thought lengths")
-    p.add_argument("--strategies", default="auto,sequence")
+    p.add_argument("--strategies", default="auto,flatten,sequence")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=demo_command)
@@ -204,19 +203,19 @@ def run_command(args) -> int:
     used = {}
     for s in engine.stats:
         used[s.strategy] = used.get(s.strategy, 0) + 1
-    peak_pages = engine.pool.num_pages - engine.pool.num_free_pages
+    pages_at_end = engine.pool.num_pages - engine.pool.num_free_pages
     out = {
         "workload": args.workload, "model": args.model or f"random:{args.random_weights}",
         "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
         "strategy": args.strategy, "steps": len(walls), "wall_s": wall,
         "mean_step_ms": float(np.mean(walls)) if walls else 0.0, "strategies_used": used,
-        "kv_pages_in_use": peak_pages,
+        "kv_pages_in_use_at_end": pages_at_end,
         "per_step": [dict(s.as_dict(), wall_ms=w) for s, w in zip(engine.stats, walls)],
         **_jsonable(result, args.dump_logits, model.tokenizer),
     }
     engine.reset()
     print(f"{args.workload}: {out['steps']} steps in {wall:.2f} s ({out['mean_step_ms']:.2f} ms/step), "
-          f"strategy {args.strategy} -> {used}, {peak_pages} KV pages in use at the end")
+          f"strategy {args.strategy} -> {used}, {pages_at_end} KV pages in use at the end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f)
@@ -229,7 +228,7 @@ def bench_command(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(stderr=False)
+    console = Console(width=max(120, Console().width))
     try:
         model = _load_model(args)
     except (ValueError, FileNotFoundError) as e:
@@ -243,7 +242,8 @@ def bench_command(args) -> int:
                   f"parameters, {str(model.dtype)[6:]}) on {model.device}")
 
     def progress(name, strategy, r):
-        console.print(f"  {name:16s} {strategy:10s} {r['mean_step_ms']:8.2f} ms/step  gpu {r['gpu_step_ms']:7.2f} "
+        console.print(f"  {name:16s} {strategy:10s} {r['mean_step_ms']:8.2f} ms/step  "
+                      f"gpu {r['gpu_step_ms']:7.2f} "
                       f"attn {r['breakdown_ms']['attention']:7.2f}  host overhead {r['host_overhead']:.1%}  "
                       f"({r['wall_s']:.1f} s)")
 
@@ -281,12 +281,14 @@ def demo_command(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(120, Console().width))
     device = torch.device(args.device)
-    model = TreeModel.random("tiny", device=device, dtype=torch.float32, seed=args.seed, std=0.2)
+    if device.type == "cpu":
+        torch.set_num_threads(1)     # the tiny model's matmuls only lose from splitting across threads
+    model = TreeModel.random("small", device=device, dtype=torch.float32, seed=args.seed, std=0.1)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    table = Table("strategy", "steps", "thoughts", "tokens", "ms/step", "plan ms", "chosen", "KV pages peak",
-                  "pages freed")
+    table = Table("strategy", "steps", "thoughts", "tokens", "KV kB read / layer / step", "ms/step", "plan ms",
+                  "chosen", "KV pages peak", "pages freed")
     thoughts, what = {}, ""
     for strategy in strategies:
         spec = WorkloadSpec(f"tot-{args.template}", vocab_size=model.config.vocab_size, seed=args.seed,
@@ -311,12 +313,14 @@ def demo_command(args) -> int:
         thoughts[strategy] = [t["tokens"] for t in result["thoughts"]]
         chosen = sorted({s.strategy for s in engine.stats})
         table.add_row(strategy, str(len(engine.stats)), str(len(result["thoughts"])),
-                      str(sum(len(t) for t in thoughts[strategy])), f"{ms:.1f}",
+                      str(sum(len(t) for t in thoughts[strategy])),
+                      f"{np.mean([s.kv_bytes for s in engine.stats]) / 1e3:.1f}", f"{ms:.1f}",
                       f"{np.mean([s.plan_ms for s in engine.stats]):.2f}", ",".join(chosen), str(peak[0]),
                       "yes" if freed else "NO")
         if not freed:
             return _fail("demo", RuntimeError(f"{strategy}: KV pages leaked"))
-    console.print(f"[bold]Tree-of-Thoughts decode[/bold] with a tiny random Llama on {device}: {what}")
+    console.print(f"[bold]Tree-of-Thoughts decode[/bold] with a small random Llama (2 layers, 8/2 heads of "
+                  f"64) on {device}: {what}")
     console.print(table)
     same = all(v == thoughts[strategies[0]] for v in thoughts.values())
     console.print("every strategy generated the same thoughts (greedy)" if same else

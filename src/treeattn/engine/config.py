@@ -136,7 +136,9 @@ class ModelConfig:
             raise ValueError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
         heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if isinstance(heads, int) and heads else 0)
+        hidden = cfg["hidden_size"]
+        shaped = isinstance(hidden, int) and isinstance(heads, int) and heads > 0
+        head_dim = cfg.get("head_dim") or (hidden // heads if shaped else 0)
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         scaling = rope if _rope_type(rope) != "default" else None
@@ -234,6 +236,10 @@ PRESETS = {
     "tiny": ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6,
                         max_position_embeddings=65536),
+    # 2 layers, head_dim 64, GQA 4: the demo model (big enough heads for the planners' choices)
+    "small": ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6,
+                         max_position_embeddings=65536),
     # Meta-Llama-3-8B (the DeFT benchmark model), with Llama-3.1's RoPE scaling
     "llama3-8b": ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                              num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,

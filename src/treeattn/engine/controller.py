@@ -96,8 +96,8 @@ class SamplingController(BranchController):
     max_new_tokens : int
         Decode steps.
     eos_token_ids : sequence of int
-        A leaf that samples one of them is fed it and then finished (reading the tokens
-        synchronises every step; leave empty for fully asynchronous decoding).
+        A leaf that samples one of them is fed it, then finished (its result stored) and pruned
+        (reading the tokens synchronises every step; leave empty for fully asynchronous decoding).
     callbacks : Callbacks, optional
     """
 
@@ -152,9 +152,10 @@ class SamplingController(BranchController):
         engine.decode(leaves, tokens, horizon=horizon)
         if self.eos:
             for leaf, t in zip(leaves, tokens.tolist()):
-                if t in self.eos:
+                if t in self.eos:      # store the result, then free the leaf's KV
                     tree.finish(leaf, reason="eos", logits=engine.logits_of(leaf),
                                 prompt=_prompt_index(tree, leaf))
+                    tree.prune(leaf)
         return True
 
     def result(self, engine) -> dict:

@@ -9,22 +9,19 @@ in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU r
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from treeattn import DecodingTree, HeadConfig, KVPool, TreeAttention
+from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
 from treeattn.engine.graphs import DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
 
 __all__ = ["TreeEngine", "StepStats"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,7 +30,8 @@ class StepStats:
 
     ``kv_ms``: tree and KV-cache bookkeeping; ``plan_ms``: attention planning and its upload
     (0 when a decode window reused its plan); ``forward_ms``: issuing the forward pass (its wall
-    time when the engine synchronises).
+    time when the engine synchronises); ``kv_bytes``: KV bytes one layer's attention loads under
+    the step's plan (``plan.io.kv``).
     """
 
     step: int
@@ -46,6 +44,7 @@ class StepStats:
     plan_ms: float
     forward_ms: float
     computed: bool
+    kv_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,6 +92,7 @@ class TreeEngine:
                            num_layers=c.num_layers, dtype=model.dtype, device=model.device)
         self.kv = KVCacheManager(self.pool)
         self.tree = SequenceTree(self.kv)
+        self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
         self.strategy = strategy
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh)
@@ -112,6 +112,7 @@ class TreeEngine:
         self._logits: dict[int, tuple] = {}
         self._win: _Window | None = None
         self._verify: tuple | None = None
+        self._depth: tuple | None = None
 
     # ------------------------------------------------------------------ logits
     def logits_of(self, node: int) -> torch.Tensor:
@@ -131,6 +132,8 @@ class TreeEngine:
     def logits_for(self, nodes) -> torch.Tensor:
         """float32 ``[n, vocab]``: :meth:`logits_of` of each node (no host synchronisation)."""
         refs = [self._ref(n) for n in nodes]
+        if not refs:
+            raise ValueError("logits_for() needs at least one node")
         t0 = refs[0][0]
         if all(t is t0 for t, _ in refs):
             rows = [r for _, r in refs]
@@ -146,11 +149,13 @@ class TreeEngine:
     def prefill(self, node: int, tokens) -> torch.Tensor:
         """Append host token ids to leaf ``node`` with causal SDPA over its path; returns the
         float32 logits ``[vocab]`` after the last one."""
+        if not len(tokens):
+            raise ValueError("prefill needs at least one token")
         self._close_window()
         ctx = self.tree.path_slots(node)
         slots, pos = self.tree.extend(node, tokens)
         self._check_positions(pos)
-        if self.compute and len(tokens):
+        if self.compute:
             d = self.device
             logits = self.model.prefill(upload(np.asarray(tokens), d), upload(pos, d), upload(slots, d),
                                         upload(ctx, d), self.kv.caches)
@@ -185,7 +190,12 @@ class TreeEngine:
         else:
             self._close_window()
             h = min(self.window, max(1, int(horizon)))
-            extra = {n: self.kv.reserve(n, h - 1) for n in nodes} if h > 1 else None
+            try:
+                extra = {n: self.kv.reserve(n, h - 1) for n in nodes} if h > 1 else None
+            except KVPoolOutOfMemory:       # no room to plan ahead: plan this step alone
+                for n in nodes:
+                    self.kv.drop_reserved(n)
+                h, extra = 1, None
             dtree = self.tree.decoding_tree(nodes, extra=extra)
             plan = self.planner.plan(dtree, dynamic_prefix=h > 1)
             if h > 1:
@@ -203,13 +213,9 @@ class TreeEngine:
         """Bookkeeping of a step that does not run the model (fast-forward): zeros as logits."""
         self._close_window()
         self.tree.append_one(nodes, tokens)
-        logits = self._zeros(len(nodes))
+        logits = self._forward(tokens, np.zeros(len(nodes)), None, None, "skip", t0, 0.0, 0)
         for i, n in enumerate(nodes):
             self._logits[n] = (logits, i)
-        self.stats.append(StepStats(step=len(self.stats), kind="skip", queries=len(nodes),
-                                    tree_nodes=self.tree.num_nodes, tree_tokens=0, strategy="",
-                                    kv_ms=(time.perf_counter() - t0) * 1e3, plan_ms=0.0, forward_ms=0.0,
-                                    computed=False))
         return logits
 
     def verify(self, node: int, root_token: torch.Tensor, draft_parents, draft_tokens: torch.Tensor
@@ -230,12 +236,7 @@ class TreeEngine:
         t0 = time.perf_counter()
         self._close_window()
         par = np.asarray(draft_parents, dtype=np.int64)
-        depth = np.ones(par.size, dtype=np.int64)
-        for i, p in enumerate(par):
-            if p >= i:
-                raise ValueError(f"draft {i} has parent {p}: parents must come first")
-            if p >= 0:
-                depth[i] = depth[p] + 1
+        depth = self._draft_depth(par)
         rslot, rpos = self.tree.append_run(node, root_token)
         dslots = self.kv.scratch(par.size)
         pos = np.concatenate((rpos, rpos[0] + depth))
@@ -250,6 +251,20 @@ class TreeEngine:
         self._verify = (node, dslots, draft_tokens.reshape(-1), logits)
         self._logits[node] = (logits, 0)
         return logits
+
+    def _draft_depth(self, par: np.ndarray) -> np.ndarray:
+        """Depth (1 = child of the root token) of every draft; cached for the last draft tree."""
+        key = par.tobytes()
+        if self._depth is None or self._depth[0] != key:
+            bad = np.flatnonzero(par >= np.arange(par.size))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"draft {i} has parent {int(par[i])}: parents must come first")
+            depth = np.ones(par.size, dtype=np.int64)
+            for i in np.flatnonzero(par >= 0):
+                depth[i] = depth[par[i]] + 1
+            self._depth = (key, depth)
+        return self._depth[1]
 
     def accept(self, node: int, drafts) -> None:
         """Keep drafts ``drafts`` (a root-to-leaf path of the last :meth:`verify`, in order): their
@@ -269,11 +284,9 @@ class TreeEngine:
         t1 = time.perf_counter()
         n = len(pos)
         if self.compute:
-            if self.hook:
-                self.hook("forward_begin", -1)
+            self._fire("forward_begin")
             logits = self._run_model(tokens, pos, slots, plan)
-            if self.hook:
-                self.hook("forward_end", -1)
+            self._fire("forward_end")
             if self.synchronize and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         else:
@@ -281,9 +294,9 @@ class TreeEngine:
         t2 = time.perf_counter()
         self.stats.append(StepStats(
             step=len(self.stats), kind=kind, queries=n, tree_nodes=self.tree.num_nodes,
-            tree_tokens=int(tree_tokens),
-            strategy=plan.strategy if plan is not None else "", kv_ms=(t1 - t0) * 1e3 - plan_ms, plan_ms=plan_ms,
-            forward_ms=(t2 - t1) * 1e3, computed=self.compute))
+            tree_tokens=int(tree_tokens), strategy=plan.strategy if plan is not None else "",
+            kv_ms=(t1 - t0) * 1e3 - plan_ms, plan_ms=plan_ms, forward_ms=(t2 - t1) * 1e3,
+            computed=self.compute, kv_bytes=int(plan.io.kv) if plan is not None else 0))
         for gone in [k for k in self._logits if k not in self.tree]:
             del self._logits[gone]
         return logits
@@ -297,13 +310,15 @@ class TreeEngine:
 
     def _attend_fn(self, plan):
         def attend(layer, q, out=None):
-            if self.hook:
-                self.hook("attn_begin", layer)
-            o = self.attention.run(q, self.pool.k_cache(layer), self.pool.v_cache(layer), plan, out=out)
-            if self.hook:
-                self.hook("attn_end", layer)
+            self._fire("attn_begin", layer)
+            o = self.attention.run(q, *self._paged[layer], plan, out=out)
+            self._fire("attn_end", layer)
             return o
         return attend
+
+    def _fire(self, event: str, layer: int = -1) -> None:
+        if self.hook is not None:
+            self.hook(event, layer)
 
     def _run_model(self, tokens, pos, slots, plan) -> torch.Tensor:
         self._ensure_workspace(plan)
@@ -350,7 +365,8 @@ class TreeEngine:
     # ------------------------------------------------------------------ driving
     def run(self, controller, *, max_steps: int | None = None, on_step=None, schedule=None) -> dict:
         """Drive ``controller`` (a :class:`~treeattn.engine.controller.BranchController`) until it
-        stops or ``max_steps`` steps ran.
+        stops or ``max_steps`` steps ran. Sequences left by an earlier run are decoded too: call
+        :meth:`reset` between runs.
 
         Parameters
         ----------
@@ -381,9 +397,10 @@ class TreeEngine:
         return controller.result(self)
 
     def reset(self) -> None:
-        """Prune every sequence and free every KV page the engine holds."""
+        """Prune every sequence, drop stored results and free every KV page the engine holds."""
         self._close_window()
         self._verify = None
         self.tree.clear()
+        self.tree.results.clear()
         self.kv.release_private()
         self._logits.clear()

@@ -8,7 +8,6 @@ in CUDA graphs (:mod:`treeattn.engine.graphs`).
 """
 from __future__ import annotations
 
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -17,8 +16,6 @@ from treeattn.engine.config import ModelConfig, load_config
 from treeattn.engine.weights import Weights, load_weights, random_weights
 
 __all__ = ["TreeModel", "rms_norm", "apply_rope"]
-
-log = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -181,7 +178,8 @@ class TreeModel:
         all_slots = torch.cat((context_slots, slots))
         mask = None
         if C:
-            mask = torch.arange(C + L, device=self.device)[None, :] <= (C + torch.arange(L, device=self.device))[:, None]
+            key = torch.arange(C + L, device=self.device)
+            mask = key[None, :] <= (C + torch.arange(L, device=self.device))[:, None]
         h = self.embed(tokens)
         for layer in range(c.num_layers):
             q, _, _ = self.pre_attention(layer, h, positions, slots, caches)

@@ -295,10 +295,11 @@ class SequenceTree:
         if drafts is not None:
             anchor, dpar, dslots = drafts
             base = len(order)
-            parents += [index[anchor] if p < 0 else base + int(p) for p in dpar]
-            lengths += [1] * len(dslots)
+            dpar = np.asarray(dpar, dtype=np.int64)
+            parents = np.concatenate((parents, np.where(dpar < 0, index[anchor], base + dpar)))
+            lengths = np.concatenate((lengths, np.ones(dpar.size, dtype=np.int64)))
             chunks.append(np.asarray(dslots, dtype=np.int64))
-            qn += list(range(base, base + len(dslots)))
+            qn = np.concatenate((qn, np.arange(base, base + dpar.size)))
         lengths = np.asarray(lengths, dtype=np.int64)
         qn = np.asarray(qn, dtype=np.int64)
         return DecodingTree.from_parents(

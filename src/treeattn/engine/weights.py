@@ -69,11 +69,13 @@ def _hf_names(config: ModelConfig, i: int) -> dict:
         "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
         "mlp_norm": "post_attention_layernorm.weight"}.items()}
     if config.qkv_bias:
-        names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias", vb=p + "self_attn.v_proj.bias")
+        names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias",
+                     vb=p + "self_attn.v_proj.bias")
     if config.o_bias:
         names["ob"] = p + "self_attn.o_proj.bias"
     if config.mlp_bias:
-        names.update(gateb=p + "mlp.gate_proj.bias", upb=p + "mlp.up_proj.bias", downb=p + "mlp.down_proj.bias")
+        names.update(gateb=p + "mlp.gate_proj.bias", upb=p + "mlp.up_proj.bias",
+                     downb=p + "mlp.down_proj.bias")
     return names
 
 
@@ -199,7 +201,8 @@ def random_weights(config: ModelConfig, *, device="cpu", dtype=torch.float32, se
         qkv=mat(q + 2 * kv, h), qkv_bias=bias(q + 2 * kv, config.qkv_bias), o=mat(h, q),
         o_bias=bias(h, config.o_bias), gate_up=mat(2 * i, h), gate_up_bias=bias(2 * i, config.mlp_bias),
         down=mat(h, i), down_bias=bias(h, config.mlp_bias),
-        attn_norm=torch.ones(h, device=device, dtype=dtype), mlp_norm=torch.ones(h, device=device, dtype=dtype))
+        attn_norm=torch.ones(h, device=device, dtype=dtype),
+        mlp_norm=torch.ones(h, device=device, dtype=dtype))
         for _ in range(config.num_layers)]
     embed = mat(config.vocab_size, h)
     head = embed if config.tie_word_embeddings else mat(config.vocab_size, h)

@@ -268,7 +268,8 @@ def build_workload(spec: WorkloadSpec) -> tuple:
 
     if name == "fewshot":
         steps = spec.steps or 400
-        return SamplingController([prompt(4000)], n=spec.branches, sampler=sampler, max_new_tokens=steps), steps
+        ctl = SamplingController([prompt(4000)], n=spec.branches, sampler=sampler, max_new_tokens=steps)
+        return ctl, steps
     if name.startswith("tot-"):
         template = name[4:]
         if template not in TOT_TEMPLATES:
