@@ -297,6 +297,6 @@ def test_cuda_engine_matches_transformers(tiny, strategy):
     ours = eng.run(BeamSearchController(prompt, num_beams=4, max_new_tokens=16))
     ref = hf.generate(torch.tensor([prompt]), num_beams=4, num_return_sequences=4, do_sample=False,
                       max_new_tokens=16)
-    assert ours["sequences"] == ref.sequences.tolist()
+    assert ours["sequences"] == ref.tolist()
     eng.reset()
     assert eng.pool.num_free_pages == eng.pool.num_pages
