@@ -193,3 +193,15 @@ def test_reserved_slots_become_tokens_or_holes():
     kv.remove(0)
     kv.release_private()
     assert pool.num_free_pages == pool.num_pages
+
+
+def test_prefill_rejects_token_ids_outside_the_vocabulary():
+    import pytest
+
+    from treeattn.engine import BeamSearchController, TreeEngine, TreeModel
+
+    engine = TreeEngine(TreeModel.random("tiny", device="cpu"))
+    with pytest.raises(ValueError, match="out of the model's vocabulary"):
+        engine.run(BeamSearchController([1, 10**6], num_beams=2, max_new_tokens=2))
+    with pytest.raises(ValueError, match="out of the model's vocabulary"):
+        engine.run(BeamSearchController([-3, 1], num_beams=2, max_new_tokens=2))

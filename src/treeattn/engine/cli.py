@@ -253,8 +253,13 @@ def bench_command(args) -> int:
                            **_engine_kw(args))
     except (ValueError, FileNotFoundError) as e:
         return _fail("bench e2e", e)
-    result.update(device=torch.cuda.get_device_name() if model.device.type == "cuda" else "cpu",
-                  model=args.model or f"random:{args.random_weights}", dtype=str(model.dtype)[6:],
+    if model.device.type == "cuda":
+        from treeattn.bench.timing import provenance
+
+        result.update(provenance())
+    else:
+        result.update(device="cpu", torch=torch.__version__)
+    result.update(model=args.model or f"random:{args.random_weights}", dtype=str(model.dtype)[6:],
                   steps=args.steps, windows=args.windows)
     table = Table("workload", *(f"{s} ms" for s in strategies), "speedup", "DeFT", "met", "gpu speedup",
                   "host overhead")

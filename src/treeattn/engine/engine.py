@@ -151,6 +151,11 @@ class TreeEngine:
         float32 logits ``[vocab]`` after the last one."""
         if not len(tokens):
             raise ValueError("prefill needs at least one token")
+        ids = np.asarray(tokens)
+        vocab = self.model.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise ValueError(f"token id {bad} is out of the model's vocabulary [0, {vocab})")
         self._close_window()
         ctx = self.tree.path_slots(node)
         slots, pos = self.tree.extend(node, tokens)
