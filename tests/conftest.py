@@ -26,3 +26,12 @@ def rng(request):
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on several threads of a busy 2-core machine are 100x slower than on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -14,13 +14,7 @@ from treeattn.engine.workloads import SpeculativeReplayController, ToTReplayCont
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on several threads of a busy 2-core machine are 100x slower than on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _save(hf_model, path):

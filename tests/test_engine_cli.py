@@ -11,12 +11,7 @@ transformers = pytest.importorskip("transformers")
 from treeattn.engine.cli import add_bench_e2e_parser, add_demo_parser, add_run_parser  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cli(argv) -> int:
