@@ -19,3 +19,10 @@ def test_attention_on_a_tot_template(capsys):
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "treeattn.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and all(c in proc.stdout for c in ("demo", "run", "attention", "bench"))
+
+
+def test_demo_runs_the_strategy_table_then_the_decode(capsys):
+    assert main(["demo", "--template", "docmerge", "--scale", "0.01", "--strategies", "auto,sequence"]) == 0
+    out = capsys.readouterr().out
+    assert "vs sequence" in out and "node_chunk" in out  # the attention table: every strategy
+    assert "every strategy generated the same thoughts" in out  # the end-to-end decode

@@ -76,10 +76,21 @@ def attention(args) -> int:
     return 0 if worst <= tol * max(1.0, ref.abs().max().item()) else 1
 
 
+def _demo(decode):
+    """``treeattn demo``: every attention strategy on the ToT template's tree (KV bytes vs the
+    sequence baseline, error vs the reference), then an end-to-end decode of that template."""
+    def run(args) -> int:
+        table = argparse.Namespace(tree=None, template=args.template, index=0, heads="32/8",
+                                   head_dim=128, device=args.device, seed=args.seed)
+        return attention(table) or decode(args)
+    return run
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="treeattn", description="Prefix-aware tree attention.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    add_demo_parser(sub)
+    demo = add_demo_parser(sub)
+    demo.set_defaults(func=_demo(demo.get_default("func")))
     add_run_parser(sub)
     p = sub.add_parser("attention", help="every strategy on one decoding tree: KV bytes and error")
     p.add_argument("--template", default="sorting", help="ToT template: sorting|docmerge|keyword|set")
