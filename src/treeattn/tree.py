@@ -80,8 +80,7 @@ def _ancestor_table(parents: np.ndarray) -> np.ndarray:
 
 
 def _topology(parents: np.ndarray, lengths: np.ndarray) -> Topology:
-    n = parents.size
-    _ancestor_table(parents)
+    n = parents.size  # parents were validated (no cycles) when the tree was built
     # depth by level-synchronous propagation (one numpy step per level)
     depth = np.zeros(n, dtype=np.int64)
     path = np.zeros(n, dtype=np.int64)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeattn.plan.plan import HeadConfig
+from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,6 @@ class CostModel:
         an SM, and the whole grid cannot beat HBM bandwidth. Merge: partial rows written and read
         at HBM bandwidth, plus the longest chain of merge steps.
         """
-        from treeattn.plan.plan import BLOCK_M_CHOICES
-
         group, hkv, d, eb = heads.group, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
         q_per_tile = max(1, max(BLOCK_M_CHOICES) // group)
         tiles = -(-item_queries // q_per_tile)
