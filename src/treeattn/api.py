@@ -6,6 +6,7 @@ import torch
 from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, merge_partials,
                           partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
+from treeattn.plan.update import update_plan
 from treeattn.reference import merge_states_torch, run_plan_torch
 from treeattn.tree import DecodingTree
 
@@ -77,6 +78,23 @@ class TreeAttention:
                                  f"{need}")
             self._workspace = torch.empty(max(need, 1), dtype=torch.float32, device=self.device)
         return plan
+
+    def update(self, plan: Plan, tree: DecodingTree) -> Plan:
+        """``plan`` for ``tree`` after a decode step (PAT's lazy update).
+
+        When ``tree`` is ``plan``'s tree with tokens appended to the tails of nodes the plan
+        already reads (every leaf grew by one token, say), the plan is patched in place of being
+        rebuilt: same work items, longer KV ranges. Otherwise ``tree`` is planned again with
+        ``plan``'s strategy and heads.
+        """
+        patched = update_plan(plan, tree)
+        if patched is not None:
+            need = patched.workspace_bytes() // 4
+            if self._workspace is not None and self._workspace.numel() >= need:
+                return patched
+        h = plan.heads
+        return self.plan(tree, num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
+                         head_dim=h.head_dim, dtype=h.dtype, strategy=plan.requested_strategy)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
             sm_scale: float | None = None, out: torch.Tensor | None = None,

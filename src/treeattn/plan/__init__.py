@@ -33,7 +33,8 @@ def make_plan(tree: DecodingTree, heads: HeadConfig, *, strategy: str = "auto", 
     cost = cost or CostModel()
     if strategy == "auto":
         name, items, reason = plan_auto(tree, heads, cost, PLANNERS)
-        return build_plan(tree, items, heads, strategy=name, device=device, reason=reason)
+        return build_plan(tree, items, heads, strategy=name, device=device, reason=reason,
+                          requested_strategy="auto")
     if strategy not in PLANNERS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     items, reason = PLANNERS[strategy](tree, heads, cost)

@@ -10,7 +10,7 @@ import torch
 from treeattn.plan.items import WorkItems
 from treeattn.tree import DecodingTree, ranges
 
-__all__ = ["Plan", "PlanIO", "Launch", "HeadConfig", "build_plan"]
+__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "build_plan"]
 
 #: Query-tile heights (rows = queries x GQA group) the kernel is compiled for; an item takes the
 #: smallest that holds all its rows (PAT's round-up rule), else it is split into several tiles.
@@ -85,11 +85,40 @@ class Launch:
 
 
 @dataclass(frozen=True, eq=False)
+class PlanHost:
+    """Host copies a plan keeps for its lazy update (:func:`treeattn.plan.update.update_plan`).
+
+    Attributes
+    ----------
+    kv_slots : int32 [nnz_kv]
+        The planned slots (``kv_indices`` on the host).
+    tail_pos, tail_node : int32 [n_tails]
+        Every planned entry that is the last token of its node, and that node.
+    kv_node, kv_pos : int32 [nnz_kv] or None
+        Node and in-node offset of every entry (kept for plans with a tree mask).
+    work_kv_start, work_kv_end : int32 [W]
+    tree : DecodingTree
+        The tree the plan was made for.
+    """
+
+    kv_slots: np.ndarray
+    tail_pos: np.ndarray
+    tail_node: np.ndarray
+    kv_node: np.ndarray | None
+    kv_pos: np.ndarray | None
+    work_kv_start: np.ndarray
+    work_kv_end: np.ndarray
+    tree: DecodingTree
+
+
+@dataclass(frozen=True, eq=False)
 class Plan:
     """Work for the partial-attention and merge kernels (int32 tensors on the plan's device).
 
     Attributes
     ----------
+    strategy, requested_strategy : str
+        The planner that made the items, and the one asked for (``auto`` or the same).
     kv_indices : int32 [nnz_kv]
         KV-cache slot (``page * page_size + offset``) of each planned KV token, item after item.
     work_kv_start, work_kv_end : int32 [W]
@@ -110,6 +139,7 @@ class Plan:
     """
 
     strategy: str
+    requested_strategy: str
     heads: HeadConfig
     num_queries: int
     page_size: int
@@ -131,6 +161,7 @@ class Plan:
     num_items: int
     reason: str = ""
     stats: dict = field(default_factory=dict)
+    host: PlanHost | None = None
 
     @property
     def num_rows(self) -> int:
@@ -209,7 +240,7 @@ def _choose_kv_tile(length: np.ndarray, head_dim: int) -> np.ndarray:
 
 
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
-               device="cpu", reason: str = "") -> Plan:
+               device="cpu", reason: str = "", requested_strategy: str | None = None) -> Plan:
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
@@ -256,6 +287,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     seg_src = tree.kv_indptr[items.seg_node] + items.seg_lo
     tok = ranges(seg_src, seg_src + seg_len)
     kv_indices = tree.kv_indices[tok]
+    kv_node = np.repeat(items.seg_node, seg_len)
+    kv_pos = tok - tree.kv_indptr[kv_node]
+    tail = np.flatnonzero(kv_pos == tree.lengths[kv_node] - 1)
     item_kv_start = np.concatenate(([0], np.cumsum(length)))[:-1]
     # work units = query tiles
     w_item = np.repeat(np.arange(n_items), tiles)
@@ -274,10 +308,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # tree mask
     mask = [None] * 5
     if needs_mask:
-        tok_node = np.repeat(items.seg_node, seg_len)
-        tok_pos = tok - tree.kv_indptr[tok_node]
-        mask = [topo.tin[tok_node], topo.tout[tok_node], tok_pos,
-                topo.tin[tree.query_nodes], tree.query_prefix]
+        mask = [topo.tin[kv_node], topo.tout[kv_node], kv_pos, topo.tin[tree.query_nodes], tree.query_prefix]
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(length.sum())
@@ -293,12 +324,15 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         output=tree.num_queries * hq * d * eb,
     )
 
+    def i32(a):
+        return np.ascontiguousarray(a, dtype=np.int32)
+
     def t(a):
-        return None if a is None else torch.as_tensor(np.asarray(a, dtype=np.int32)).to(device)
+        return None if a is None else torch.from_numpy(i32(a)).to(device)
 
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     return Plan(
-        strategy=strategy, heads=heads, num_queries=tree.num_queries, page_size=tree.page_size,
+        strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads, num_queries=tree.num_queries, page_size=tree.page_size,
         min_slots=min_slots, kv_indices=t(kv_indices),
         work_kv_start=t(item_kv_start[w_item]), work_kv_end=t(item_kv_start[w_item] + length[w_item]),
         work_row_indptr=t(work_row_indptr), row_q_indices=t(row_q), merge_indptr=t(merge_indptr),
@@ -307,4 +341,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         num_items=n_items, reason=reason,
         stats={"max_item_tokens": int(length.max()) if n_items else 0,
                "mean_item_tokens": float(length.mean()) if n_items else 0.0},
+        host=PlanHost(kv_slots=i32(kv_indices), tail_pos=i32(tail), tail_node=i32(kv_node[tail]),
+                      kv_node=i32(kv_node) if needs_mask else None, kv_pos=i32(kv_pos) if needs_mask else None,
+                      work_kv_start=i32(item_kv_start[w_item]),
+                      work_kv_end=i32(item_kv_start[w_item] + length[w_item]), tree=tree),
     )
