@@ -1,5 +1,5 @@
 """Command line: ``treeattn demo`` (end-to-end tree decoding), ``treeattn run``, ``treeattn attention``
-(every strategy on one decoding tree) and ``treeattn bench kernels|e2e``."""
+(every strategy on one decoding tree), ``treeattn serve`` and ``treeattn bench kernels|e2e|serve``."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +12,7 @@ import torch
 from treeattn import STRATEGIES, DecodingTree, TreeAttention, reference_attention
 from treeattn.bench import kernels
 from treeattn.engine.cli import add_bench_e2e_parser, add_demo_parser, add_run_parser
+from treeattn.serve.cli import add_bench_serve_parser, add_serve_parser
 from treeattn.workloads import tree_from_spec, tree_from_tot_template
 
 log = logging.getLogger("treeattn")
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
     demo = add_demo_parser(sub)
     demo.set_defaults(func=_demo(demo.get_default("func")))
     add_run_parser(sub)
+    add_serve_parser(sub)
     p = sub.add_parser("attention", help="every strategy on one decoding tree: KV bytes and error")
     p.add_argument("--template", default="sorting", help="ToT template: sorting|docmerge|keyword|set")
     p.add_argument("--index", type=int, default=0, help="which tree of the template file")
@@ -101,9 +103,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=attention)
-    bench = sub.add_parser("bench", help="benchmarks on a CUDA GPU").add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks: kernels and e2e (CUDA), serve (HTTP client)").add_subparsers(dest="bench", required=True)
     kernels.add_parser(bench)
     add_bench_e2e_parser(bench)
+    add_bench_serve_parser(bench)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     return args.func(args)

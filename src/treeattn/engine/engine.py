@@ -81,11 +81,14 @@ class TreeEngine:
         See :class:`~treeattn.engine.planning.StepPlanner`.
     synchronize : bool
         Wait for the device after every step (accurate per-step wall times, no overlap).
+    keep_reserved : bool
+        Keep a node's unused decode-window slots when its window ends early (a new request joins
+        a served batch) and use them for its next tokens, instead of leaving them unused.
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
-                 auto_refresh: int = 32, synchronize: bool = False):
+                 auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -104,6 +107,7 @@ class TreeEngine:
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
         self.window = max(1, int(window))
         self.synchronize = synchronize
+        self.keep_reserved = keep_reserved
         self.compute = True
         #: profiling hook ``hook(event, layer)``, event in forward_begin / attn_begin / attn_end /
         #: forward_end (layer -1 for the forward events); called where the work is enqueued
@@ -128,6 +132,11 @@ class TreeEngine:
         if n is None:
             raise ValueError(f"node {node} has no logits yet: prefill its root first")
         return self._logits[n]
+
+    def forget_logits(self, node: int) -> None:
+        """Drop the logits stored for ``node`` (a cached prompt prefix nobody samples from), so that
+        they do not hold memory while the node stays in the tree."""
+        self._logits.pop(node, None)
 
     def logits_for(self, nodes) -> torch.Tensor:
         """float32 ``[n, vocab]``: :meth:`logits_of` of each node (no host synchronisation)."""
@@ -363,7 +372,7 @@ class TreeEngine:
     def _close_window(self) -> None:
         if self._win is not None:
             for n in self._win.nodes:
-                if n in self.tree:
+                if n in self.tree and not self.keep_reserved:
                     self.kv.drop_reserved(n)
             self._win = None
 

@@ -111,9 +111,15 @@ class SequenceTree:
 
     def branch(self, node: int, k: int, metas=None) -> list:
         """Freeze leaf ``node`` and give it ``k`` children sharing its KV; returns their ids."""
-        nd = self._get(node)
-        if nd.children:
+        if self._get(node).children:
             raise ValueError(f"node {node} has already branched")
+        return self.add_children(node, k, metas)
+
+    def add_children(self, node: int, k: int = 1, metas=None) -> list:
+        """Freeze ``node`` and give it ``k`` more children sharing its KV, whether or not it has
+        children already (a prefix cache hangs new requests below a cached prompt); returns their
+        ids."""
+        nd = self._get(node)
         if k < 1:
             raise ValueError(f"branch needs k >= 1 children, got {k}")
         nd.frozen = True
@@ -125,8 +131,9 @@ class SequenceTree:
         nd.children.extend(kids)
         return kids
 
-    def prune(self, node: int) -> None:
-        """Remove ``node``'s subtree and free its KV, then every frozen ancestor left childless."""
+    def prune(self, node: int, *, cascade: bool = True) -> None:
+        """Remove ``node``'s subtree and free its KV, then (``cascade``) every frozen ancestor left
+        childless; without ``cascade`` the ancestors stay (a prefix cache keeps them)."""
         up = self._get(node).parent
         order, stack = [], [node]
         while stack:
@@ -135,7 +142,7 @@ class SequenceTree:
             stack.extend(self._nodes[n].children)
         for n in reversed(order):
             self._remove(n)
-        while up is not None and self._nodes[up].frozen and not self._nodes[up].children:
+        while cascade and up is not None and self._nodes[up].frozen and not self._nodes[up].children:
             nxt = self._nodes[up].parent
             self._remove(up)
             up = nxt
