@@ -20,13 +20,13 @@ from treeattn.engine.engine import TreeEngine
 from treeattn.engine.model import TreeModel
 from treeattn.engine.workloads import WORKLOADS, WorkloadSpec, build_workload
 
-__all__ = ["add_run_parser", "add_bench_e2e_parser", "add_demo_parser"]
+__all__ = ["add_run_parser", "add_bench_e2e_parser", "add_demo_parser", "add_model_args", "load_model"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _add_model_args(p, default_random=None) -> None:
+def add_model_args(p, default_random=None) -> None:
     src = p.add_mutually_exclusive_group(required=default_random is None)
     src.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
     src.add_argument("--random-weights", metavar="NAME", default=default_random,
@@ -44,7 +44,7 @@ def _add_model_args(p, default_random=None) -> None:
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``run``: decode one workload and write per-step stats and results as JSON."""
     p = subparsers.add_parser("run", help="tree decoding of a workload on a Llama-family model")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--workload", required=True, choices=WORKLOADS)
     p.add_argument("--strategy", default="auto", choices=STRATEGIES)
     p.add_argument("--steps", type=int, default=None, help="at most this many decode steps")
@@ -76,7 +76,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
 def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``e2e`` (``treeattn bench e2e``): DeFT Table 5 / Fig. 4 on one GPU."""
     p = subparsers.add_parser("e2e", help="end-to-end decode latency of every workload, per strategy")
-    _add_model_args(p, default_random="llama3-8b")
+    add_model_args(p, default_random="llama3-8b")
     p.add_argument("--workloads", default=",".join(BENCH_WORKLOADS),
                    help=f"comma-separated, from {', '.join(BENCH_WORKLOADS)} (or any run workload)")
     p.add_argument("--strategies", default="auto,sequence", help="compared with the last one")
@@ -103,7 +103,7 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------- helpers
-def _load_model(args) -> TreeModel:
+def load_model(args) -> TreeModel:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     if args.model:
@@ -163,7 +163,7 @@ def run_command(args) -> int:
     from tqdm import tqdm
 
     try:
-        model = _load_model(args)
+        model = load_model(args)
         spec = WorkloadSpec(
             args.workload, vocab_size=model.config.vocab_size, prompts=_prompts(args, model),
             prompt_len=args.prompt_len, branches=args.branches, steps=args.steps,
@@ -230,7 +230,7 @@ def bench_command(args) -> int:
 
     console = Console(width=max(120, Console().width))
     try:
-        model = _load_model(args)
+        model = load_model(args)
     except (ValueError, FileNotFoundError) as e:
         return _fail("bench e2e", e)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]

@@ -11,7 +11,7 @@ import json
 import logging
 
 from treeattn import STRATEGIES
-from treeattn.engine.cli import _add_model_args, _load_model
+from treeattn.engine.cli import add_model_args, load_model
 
 __all__ = ["add_serve_parser", "add_bench_serve_parser", "serve_command", "bench_serve_command"]
 
@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve``: an OpenAI-compatible completions server with continuous batching."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, prefix cache)")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
@@ -67,7 +67,7 @@ def serve_command(args) -> int:
     if args.prefix_block % args.page_size:
         log.warning("--prefix-block %d is not a multiple of --page-size %d: cached blocks will "
                     "copy partly filled pages", args.prefix_block, args.page_size)
-    model = _load_model(args)
+    model = load_model(args)
     engine = TreeEngine(model, strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens,
                         window=args.window, cuda_graphs=False if args.no_cuda_graphs else None,
                         keep_reserved=True)
