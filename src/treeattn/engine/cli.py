@@ -69,6 +69,8 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", default=None, help="write the result and per-step stats here")
     p.add_argument("--dump-logits", action="store_true", help="sample / fewshot: last logits of every leaf")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--world-size", type=int, default=1,
+                   help="ranks sharding the KV along the sequence (start with torchrun --nproc-per-node N)")
     p.set_defaults(func=run_command)
     return p
 
@@ -114,6 +116,18 @@ def load_model(args) -> TreeModel:
 def _engine_kw(args) -> dict:
     return {"page_size": args.page_size, "kv_tokens": args.kv_tokens, "window": args.window,
             "cuda_graphs": False if args.no_cuda_graphs else None}
+
+
+def _init_ranks(args) -> tuple[int, int]:
+    """``(rank, world)`` for ``--world-size`` (initialises torch.distributed under torchrun)."""
+    n = getattr(args, "world_size", 1)
+    if n < 1:
+        raise ValueError(f"--world-size must be >= 1, got {n}")
+    if n > 1 and args.workload.startswith("speculative"):
+        raise ValueError("--world-size > 1 does not support the speculative workloads")
+    from treeattn.engine.sharded import init_distributed
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_distributed(n, device)
 
 
 def _prompts(args, model) -> list:
@@ -163,6 +177,7 @@ def run_command(args) -> int:
     from tqdm import tqdm
 
     try:
+        rank, world = _init_ranks(args)
         model = load_model(args)
         spec = WorkloadSpec(
             args.workload, vocab_size=model.config.vocab_size, prompts=_prompts(args, model),
@@ -176,10 +191,14 @@ def run_command(args) -> int:
     except (ValueError, FileNotFoundError, ImportError) as e:
         return _fail("run", e)
     steps = min(total, args.steps) if args.steps else total
-    engine = TreeEngine(model, strategy=args.strategy, synchronize=model.device.type == "cuda",
-                        **_engine_kw(args))
+    kw = dict(strategy=args.strategy, synchronize=model.device.type == "cuda", **_engine_kw(args))
+    if world > 1:
+        from treeattn.engine.sharded import ShardedTreeEngine
+        engine = ShardedTreeEngine(model, **kw)
+    else:
+        engine = TreeEngine(model, **kw)
     engine.prepare_graphs(controller.query_counts())
-    bar = tqdm(total=steps, disable=args.quiet, unit="step", file=sys.stderr)
+    bar = tqdm(total=steps, disable=args.quiet or rank != 0, unit="step", file=sys.stderr)
     clock = {"t": time.perf_counter()}
     walls = []
 
@@ -213,7 +232,13 @@ def run_command(args) -> int:
         "per_step": [dict(s.as_dict(), wall_ms=w) for s, w in zip(engine.stats, walls)],
         **_jsonable(result, args.dump_logits, model.tokenizer),
     }
+    if world > 1:
+        out["world_size"] = world
     engine.reset()
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return 0
     print(f"{args.workload}: {out['steps']} steps in {wall:.2f} s ({out['mean_step_ms']:.2f} ms/step), "
           f"strategy {args.strategy} -> {used}, {pages_at_end} KV pages in use at the end")
     if args.json:

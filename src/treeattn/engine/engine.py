@@ -21,7 +21,7 @@ from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
 
-__all__ = ["TreeEngine", "StepStats"]
+__all__ = ["StepStats", "TreeEngine"]
 
 
 @dataclass
@@ -171,12 +171,16 @@ class TreeEngine:
         self._check_positions(pos)
         if self.compute:
             d = self.device
-            logits = self.model.prefill(upload(np.asarray(tokens), d), upload(pos, d), upload(slots, d),
-                                        upload(ctx, d), self.kv.caches)
+            logits = self._prefill_model(upload(np.asarray(tokens), d), upload(pos, d), upload(slots, d),
+                                         upload(ctx, d))
         else:
             logits = self._zeros(1)[0]
         self._logits[node] = (logits[None], 0)
         return logits
+
+    def _prefill_model(self, tokens, positions, slots, context_slots) -> torch.Tensor:
+        """The model's prefill of one chunk (a hook: :mod:`treeattn.engine.sharded` overrides it)."""
+        return self.model.prefill(tokens, positions, slots, context_slots, self.kv.caches)
 
     def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
         """One new token for each leaf of ``nodes``; returns float32 logits ``[n, vocab]``.
