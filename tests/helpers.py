@@ -1,8 +1,13 @@
 """Shared test helpers: random trees, error metrics and the plan-coverage invariant."""
 from __future__ import annotations
 
+import datetime
+import socket
+
 import numpy as np
+import pytest
 import torch
+import torch.multiprocessing as mp
 from hypothesis import strategies as st
 
 from treeattn import DecodingTree
@@ -85,3 +90,24 @@ def planned_coverage(tree: DecodingTree, plan: Plan) -> tuple[np.ndarray, np.nda
 def expected_coverage(tree: DecodingTree) -> tuple[np.ndarray, np.ndarray]:
     q, tok = np.nonzero(visibility_mask(tree))
     return q.astype(np.int64), tok.astype(np.int64)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, args: tuple, out_dir, *, timeout: float) -> list:
+    """Run ``worker(rank, *args)`` on ``world`` processes, killing them after ``timeout`` seconds;
+    returns what each rank saved to ``out_dir/rank{r}.pt``."""
+    ctx = mp.spawn(worker, args=args, nprocs=world, join=False)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    while not ctx.join(timeout=1.0):
+        if datetime.datetime.now() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"job with {world} ranks ({worker.__name__}) timed out")
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]

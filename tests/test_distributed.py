@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import forests, random_tree, rel_l2
+from helpers import forests, random_tree, rel_l2, spawn_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -140,17 +139,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp_path, timeout: float = 150.0) -> list[dict]:
-    ctx = mp.spawn(_worker, args=(world, str(tmp_path / "init"), str(tmp_path)), nprocs=world,
-                   join=False)
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-    while not ctx.join(timeout=1.0):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"distributed job with {world} ranks timed out")
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def _spawn(world: int, tmp_path) -> list[dict]:
+    return spawn_ranks(_worker, world, (world, str(tmp_path / "init"), str(tmp_path)), tmp_path, timeout=150.0)
 
 
 @pytest.mark.parametrize("world", [2, 3])

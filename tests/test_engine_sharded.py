@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import free_port, spawn_ranks
 
 from treeattn.engine import (
     BeamSearchController,
@@ -77,22 +76,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(world: int, tmp_path, timeout: float = 90.0) -> list[dict]:
-    ctx = mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False)
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
-    while not ctx.join(timeout=1.0):
-        if datetime.datetime.now() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"sharded engine job with {world} ranks timed out")
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def _spawn(world: int, tmp_path) -> list[dict]:
+    return spawn_ranks(_worker, world, (world, free_port(), str(tmp_path)), tmp_path, timeout=90.0)
 
 
 def test_sharded_engine_matches_single_process(tmp_path):
@@ -162,7 +147,7 @@ def test_cli_world_size_under_torchrun(tmp_path):
                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(_free_port()), "-m", "treeattn.cli", *args, "--world-size", "2",
+                          "--master-port", str(free_port()), "-m", "treeattn.cli", *args, "--world-size", "2",
                           "--json", str(tmp_path / "w2.json")], env=env, capture_output=True, text=True,
                          timeout=90, check=False)
     assert two.returncode == 0, two.stderr[-2000:]
