@@ -2,7 +2,7 @@
 layer and decode step until the tree changes."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -160,7 +160,6 @@ class Plan:
     io: PlanIO
     num_items: int
     reason: str = ""
-    stats: dict = field(default_factory=dict)
     host: PlanHost | None = None
 
     @property
@@ -182,15 +181,6 @@ class Plan:
     def workspace_bytes(self) -> int:
         """fp32 bytes of partial outputs and LSEs that :meth:`TreeAttention.run` needs."""
         return self.num_rows * self.heads.num_qo_heads * (self.heads.head_dim + 1) * 4
-
-    def to(self, device) -> "Plan":
-        def mv(t):
-            return None if t is None else t.to(device, non_blocking=True)
-        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for k, v in fields.items():
-            if isinstance(v, torch.Tensor):
-                fields[k] = mv(v)
-        return Plan(**fields)
 
     def explain(self) -> str:
         """Why this plan: the strategy, its choice (for ``auto``) and its IO."""
@@ -339,8 +329,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         merge_indices=t(merge_order), mask_lo=t(mask[0]), mask_hi=t(mask[1]), mask_pos=t(mask[2]),
         query_pos=t(mask[3]), query_prefix=t(mask[4]), launches=tuple(launches), io=io,
         num_items=n_items, reason=reason,
-        stats={"max_item_tokens": int(length.max()) if n_items else 0,
-               "mean_item_tokens": float(length.mean()) if n_items else 0.0},
         host=PlanHost(kv_slots=i32(kv_indices), tail_pos=i32(tail), tail_node=i32(kv_node[tail]),
                       kv_node=i32(kv_node) if needs_mask else None, kv_pos=i32(kv_pos) if needs_mask else None,
                       work_kv_start=i32(item_kv_start[w_item]),
