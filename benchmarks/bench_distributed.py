@@ -9,7 +9,9 @@ split into contiguous per-rank slices and every method computes the same decode 
 * ``single``: rank 0 alone runs :class:`treeattn.TreeAttention` over the whole context.
 
 Reported per case: median latency (CUDA events per iteration; for the sharded methods the maximum
-over ranks of each rank's median), bytes communicated (recorded from the collectives issued:
+over ranks of each rank's median; ``--graphs`` methods, by default tree and single, are timed as a
+CUDA-graph replay of the whole call, collectives included, as a decode loop runs them, and keep
+their eager time as ``latency_ms_eager``), bytes communicated (recorded from the collectives issued:
 :class:`treeattn.distributed.CommStats`) against eqs. 10 and 14, peak memory
 (``torch.cuda.max_memory_allocated`` during one call, plus the resident KV and queries) against
 eqs. 8 and 9, and the error of tree / ring against the single-GPU output. Writes JSON (``--out``,
@@ -84,6 +86,9 @@ def parse_args(argv=None):
     ap.add_argument("--world-size", type=int, default=2, help="processes to spawn without torchrun")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="gloo on CPU, fp32, tiny contexts, torch backend: checks the logic")
+    ap.add_argument("--graphs", default="tree,single",
+                    help="methods also timed as a CUDA-graph replay (CUDA only; empty: none). Their "
+                         "latency is the replay's; the eager time is kept as latency_ms_eager")
     ap.add_argument("--out", default=None, help="JSON path (rank 0 writes it)")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     args = ap.parse_args(argv)
@@ -102,6 +107,7 @@ def parse_args(argv=None):
     args.batch_list = [int(x) for x in args.batches.split(",") if x]
     args.hq, args.hkv = (int(x) for x in args.heads.split("/"))
     args.method_list = [m for m in args.methods.split(",") if m]
+    args.graph_list = [] if args.cpu_smoke else [m for m in args.graphs.split(",") if m]
     return args
 
 
@@ -162,6 +168,32 @@ class Timer:
         med = statistics.median(times)
         return {"ms": self._agree_max(med, collective), "ms_this_rank": med, "reps": reps,
                 "ms_min": min(times)}
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn`` (collectives included: every rank captures together),
+    after a warm-up call on the capture's side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def timed(timer: Timer, fn, *, collective: bool, graph: bool) -> dict:
+    """``timer(fn)``; with ``graph`` also the replay of a captured ``fn``, which becomes ``ms``
+    (the eager median is kept as ``ms_eager``)."""
+    eager = timer(fn, collective=collective)
+    if not graph:
+        return dict(eager, mode="eager")
+    g = capture_graph(fn)
+    replay = timer(g.replay, collective=collective)
+    return dict(replay, mode="cuda_graph", ms_eager=eager["ms"])
 
 
 def measure_memory(fn, device: torch.device) -> int | None:
@@ -245,7 +277,8 @@ def run_case(context: int, batch: int, args, rank: int, world: int, device, dtyp
         holder = {}
         extra = measure_memory(functools.partial(_keep, holder, call, stats=stats), device)
         outs[method] = holder["out"]
-        timing = timer(call, collective=True)
+        timing = timed(timer, call, collective=True,
+                       graph=device.type == "cuda" and method in args.graph_list)
         wire = [0.0] * world
         dist.all_gather_object(wire, {"wire_elements": stats.wire_elements(),
                                       "wire_bytes": stats.wire_bytes(), "recorded": stats.summary(),
@@ -269,7 +302,9 @@ def run_case(context: int, batch: int, args, rank: int, world: int, device, dtyp
         measured_peak = None if peaks[0] is None else resident + max(peaks)
         local_plan = next(iter(plan.local.values())).plan
         row["methods"][method] = {
-            "latency_ms": timing["ms"], "latency_ms_per_rank_median": timing["ms_this_rank"],
+            "latency_ms": timing["ms"], "timing_mode": timing["mode"],
+            "latency_ms_eager": timing.get("ms_eager", timing["ms"]),
+            "latency_ms_per_rank_median": timing["ms_this_rank"],
             "latency_ms_min_rank0": timing["ms_min"], "reps": timing["reps"],
             "plan_s": t_plan, "local_strategy": None if local_plan is None else local_plan.strategy,
             "comm": {"measured_elements": measured, "formula_elements": expected,
@@ -289,13 +324,16 @@ def run_case(context: int, batch: int, args, rank: int, world: int, device, dtyp
             call = functools.partial(run_local, w, q, kc, vc, lp)
             holder = {}
             extra = measure_memory(functools.partial(_keep, holder, call), device)
-            timing = timer(call, collective=False)
+            timing = timed(timer, call, collective=False,
+                           graph=device.type == "cuda" and "single" in args.graph_list)
             mem_formula = peak_memory("tree", 1, num_tokens=context, num_queries=batch, num_qo_heads=hq,
                                       num_kv_heads=hkv, head_dim=d, elem_bytes=elem)
             resident = nbytes(q, k_full, v_full) + lp.plan.workspace_bytes()
             single = holder["out"][0]
             row["methods"]["single"] = {
-                "latency_ms": timing["ms"], "reps": timing["reps"], "latency_ms_min": timing["ms_min"],
+                "latency_ms": timing["ms"], "timing_mode": timing["mode"],
+                "latency_ms_eager": timing.get("ms_eager", timing["ms"]),
+                "reps": timing["reps"], "latency_ms_min": timing["ms_min"],
                 "local_strategy": lp.plan.strategy,
                 "memory": {"measured_peak_bytes": None if extra is None else resident + extra,
                            "resident_bytes": resident, "formula_bytes": mem_formula["bytes"]}}
