@@ -272,9 +272,29 @@ def test_bench_replays_the_trace(server, tmp_path):
     except FileNotFoundError:
         pytest.skip("shared workloads not found")
     out = bench_serve(trace, url=srv.url, rate=100.0, max_requests=40, block_tokens=8, max_input_len=64,
-                      max_output_len=3, progress=False, timeout=60)
+                      max_output_len=3, progress=False, timeout=60,
+                      system_prompt={"levels": (5, 7, 9), "locations": 3, "languages": 2})
     assert out["requests"] == out["completed"] == 40 and out["failed"] == 0
     assert out["ttft"]["mean_ms"] > 0 and out["tpot"]["p99_ms"] is not None
+
+
+def test_system_prompt_is_a_three_level_shared_prefix():
+    import numpy as np
+
+    from treeattn.serve.bench import build_requests
+
+    trace = [{"input_length": 20, "output_length": 4, "hash_ids": [0, i]} for i in range(1, 61)]
+    spec = {"levels": (4, 6, 8), "locations": 3, "languages": 2}
+    reqs = build_requests(trace, vocab_size=1000, arrivals=np.zeros(60), block_tokens=8, seed=5,
+                          max_model_len=40, system_prompt=spec)
+    heads = [tuple(r.prompt[:18]) for r in reqs]
+    assert all(len(r.prompt) == 18 + 18 and r.max_tokens == 4 for r in reqs)  # 40 - 4 - 18 trace tokens
+    assert len({h[:4] for h in heads}) == 1                     # level 1: every request
+    assert len({h[:10] for h in heads}) == 3                    # level 2: per location
+    assert len({h for h in heads}) == 6                         # level 3: per (location, language)
+    assert len({tuple(r.prompt[18:26]) for r in reqs}) == 1     # then the trace's shared block 0
+    plain = build_requests(trace, vocab_size=1000, arrivals=np.zeros(60), block_tokens=8, seed=5)
+    assert plain[0].prompt[:18] == reqs[0].prompt[18:]
 
 
 def test_cli_parsers():
@@ -291,3 +311,22 @@ def test_cli_parsers():
     assert (a.port, a.max_queue, a.host) == (8123, 4, "127.0.0.1")
     b = p.parse_args(["bench", "serve", "--rate", "2", "--duration", "30", "--url", "http://127.0.0.1:1"])
     assert (b.rate, b.duration, b.block_tokens) == (2.0, 30.0, 512)
+
+
+def test_bench_deadline_cancels_and_frees(server):
+    from treeattn.serve.bench import TraceRequest, replay, summarize
+
+    sched, srv = server
+    before = sched.stats()
+    reqs = [TraceRequest([1, 2, 3, i], 3, 0.0) for i in range(3)] + \
+        [TraceRequest([4, 5, i], 500, 0.0) for i in range(2)]
+    results, wall = asyncio.run(replay(srv.url, reqs, model="tiny", progress=False, deadline=0.5))
+    assert [r["ok"] for r in results] == [True] * 3 + [False] * 2
+    assert all(r["error"] == "cancelled at the deadline" for r in results[3:])
+    assert summarize(results, wall)["failed"] == 2 and wall < 10
+    after = _wait_idle(sched)                      # the cancelled streams were aborted
+    assert after["steps"] < before["steps"] + 499     # aborted before their 500 tokens
+    assert after["decoded_tokens"] > before["decoded_tokens"] and after["max_batch_seen"] >= 2
+    assert sum(after["strategies"].values()) > sum(before["strategies"].values())
+    assert sched.engine.stats == []                # folded into the counters every step
+    _assert_no_leak(sched)

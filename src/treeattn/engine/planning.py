@@ -106,7 +106,8 @@ class StepPlanner:
         lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
         lut[tree.kv_indices] = np.arange(tree.kv_indices.size)
         tok = lut[slots]
-        if np.any(tok < 0) or np.unique(tree.kv_indices).size != tree.kv_indices.size:
+        # unique slots <=> the table maps every token back to itself (no sort needed)
+        if np.any(tok < 0) or not np.array_equal(lut[tree.kv_indices], np.arange(tree.kv_indices.size)):
             raise RuntimeError("cannot build a tree mask: the plan's slots do not map to unique tokens")
         node = np.searchsorted(tree.kv_indptr, tok, side="right") - 1
 

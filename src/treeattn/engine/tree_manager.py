@@ -50,7 +50,10 @@ class Result:
 
 
 class _TokenLog:
-    """Token ids produced on the device, fetched to the host in one copy when first read."""
+    """Token ids produced on the device, fetched to the host in one copy when first read (or
+    once ``MAX_PENDING`` steps are waiting, so a long-running server holds no device tensors)."""
+
+    MAX_PENDING = 1024
 
     def __init__(self):
         self._pending: list[tuple[int, torch.Tensor]] = []
@@ -61,10 +64,17 @@ class _TokenLog:
         cid = self._next
         self._next += 1
         self._pending.append((cid, t.reshape(-1)))
+        if len(self._pending) >= self.MAX_PENDING:
+            self._fetch()
         return cid
 
     def get(self, cid: int, row: int) -> int:
         if cid not in self._host:
+            self._fetch()
+        return self._host[cid][row]
+
+    def _fetch(self) -> None:
+        if self._pending:
             dev = self._pending[0][1].device
             flat = torch.cat([t.to(dev, torch.int64) for _, t in self._pending]).tolist()
             at = 0
@@ -72,7 +82,6 @@ class _TokenLog:
                 self._host[c] = flat[at: at + t.numel()]
                 at += t.numel()
             self._pending.clear()
-        return self._host[cid][row]
 
 
 class SequenceTree:

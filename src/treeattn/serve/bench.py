@@ -3,7 +3,7 @@
 Each trace record has ``input_length``, ``output_length`` and ``hash_ids`` (one id per 512-token
 prompt block; equal ids are shared prefix blocks). As in PAT's evaluation, a prompt is built from
 one deterministic block of random token ids per hash id (equal ids give equal tokens), cut to
-``input_length``. Requests arrive as a Poisson process of the given rate (or at the trace's own
+``input_length``, after PAT's three-level system prompt (:data:`PAT_SYSTEM_PROMPT`). Requests arrive as a Poisson process of the given rate (or at the trace's own
 timestamps) and stream their outputs, so that TTFT (time to the first token), TPOT (time per
 output token after the first) and request latency can be measured on the client.
 """
@@ -45,13 +45,32 @@ def load_trace(path, limit: int | None = None) -> list:
     return out
 
 
+#: PAT's conversation workload puts the Meta-AI system instruction (pat/system_prompt.template)
+#: before every trace prompt, its {LOCATION} and {LANGUAGE} fields drawn at random: a three-level
+#: shared prefix of 46, 348 and 2123 tokens (Llama-3 tokenizer, PAT Sec. 8.1). Level 2 depends on
+#: the location, level 3 on location and language; we draw them from 8 locations x 4 languages.
+PAT_SYSTEM_PROMPT = {"levels": (46, 348, 2123), "locations": 8, "languages": 4}
+
+
+def system_prompt_ids(rng: np.random.Generator, *, vocab_size: int, seed: int, spec: dict) -> np.ndarray:
+    """Token ids of one request's system prompt: each level's ids are drawn with a seed made of
+    the choices above it, so requests with the same location (and language) share them."""
+    loc, lang = int(rng.integers(spec["locations"])), int(rng.integers(spec["languages"]))
+    keys = ([], [loc], [loc, lang])
+    return np.concatenate([np.random.default_rng([seed, 1 << 41, lvl, *key]).integers(0, vocab_size, n)
+                           for lvl, (n, key) in enumerate(zip(spec["levels"], keys))])
+
+
 def build_requests(trace: list, *, vocab_size: int, arrivals: np.ndarray, block_tokens: int = 512,
                    seed: int = 0, max_input_len: int | None = None, max_output_len: int | None = None,
-                   max_model_len: int | None = None) -> list:
+                   max_model_len: int | None = None, system_prompt: dict | None = None) -> list:
     """Prompts of the trace records: block ``h`` is ``block_tokens`` random ids drawn with seed
-    ``(seed, h)``; tokens beyond the blocks are drawn per request. Inputs and outputs are capped
-    (inputs keep their leading, shared blocks) so that prompt plus output fits ``max_model_len``."""
+    ``(seed, h)``; tokens beyond the blocks are drawn per request. With ``system_prompt`` (e.g.
+    :data:`PAT_SYSTEM_PROMPT`) each prompt starts with a multi-level system prompt
+    (:func:`system_prompt_ids`). Trace inputs (``max_input_len``) and outputs are capped (inputs
+    keep their leading, shared blocks) so that prompt plus output fits ``max_model_len``."""
     blocks: dict = {}
+    sys_rng = np.random.default_rng([seed, 1 << 42])
 
     def block(h: int) -> np.ndarray:
         if h not in blocks:
@@ -63,16 +82,18 @@ def build_requests(trace: list, *, vocab_size: int, arrivals: np.ndarray, block_
         n_in, n_out = int(rec["input_length"]), max(1, int(rec["output_length"]))
         if max_output_len is not None:
             n_out = min(n_out, max_output_len)
+        head = (system_prompt_ids(sys_rng, vocab_size=vocab_size, seed=seed, spec=system_prompt)
+                if system_prompt else np.zeros(0, np.int64))
         if max_input_len is not None:
             n_in = min(n_in, max_input_len)
         if max_model_len is not None:
-            n_in = min(n_in, max_model_len - n_out)
+            n_in = min(n_in, max_model_len - n_out - head.size)
         n_in = max(1, n_in)
         ids = np.concatenate([block(int(h)) for h in rec["hash_ids"]] or [np.zeros(0, np.int64)])
         if ids.size < n_in:
             extra = np.random.default_rng([seed, 1 << 40, i]).integers(0, vocab_size, n_in - ids.size)
             ids = np.concatenate((ids, extra))
-        out.append(TraceRequest(ids[:n_in].tolist(), n_out, float(t)))
+        out.append(TraceRequest(np.concatenate((head, ids[:n_in])).tolist(), n_out, float(t)))
     return out
 
 
@@ -119,10 +140,17 @@ async def _send(client, model: str, req: TraceRequest, t0: float) -> dict:
     return res
 
 
+def _cancelled(req: TraceRequest) -> dict:
+    return {"ok": False, "ttft": None, "latency": None, "tokens": 0, "status": None,
+            "error": "cancelled at the deadline", "prompt_tokens": len(req.prompt)}
+
+
 async def replay(url: str, requests: list, *, model: str, timeout: float = 600.0,
-                 progress: bool = True) -> tuple[list, float]:
+                 progress: bool = True, deadline: float | None = None) -> tuple[list, float]:
     """Send ``requests`` at their arrival times (streaming) and wait for all; returns the
-    per-request results (in order) and the wall time."""
+    per-request results (in order) and the wall time. Requests still unfinished ``deadline``
+    seconds after the first arrival are cancelled (their connections closed, which aborts them on
+    the server) and count as failed."""
     import httpx
     from tqdm.auto import tqdm
 
@@ -136,10 +164,16 @@ async def replay(url: str, requests: list, *, model: str, timeout: float = 600.0
             r = await _send(client, model, req, t0)
             bar.update(1)
             return r
-        results = await asyncio.gather(*(one(r) for r in requests))
+        tasks = [asyncio.ensure_future(one(r)) for r in requests]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=deadline)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - t0
         bar.close()
-    return list(results), wall
+    results = [t.result() if not t.cancelled() else _cancelled(r) for t, r in zip(tasks, requests)]
+    return results, wall
 
 
 def _stats(values) -> dict:
@@ -167,11 +201,14 @@ def summarize(results: list, wall: float) -> dict:
 def bench_serve(trace_path, *, url: str, rate: float, duration: float | None = None,
                 max_requests: int | None = None, block_tokens: int = 512, seed: int = 0,
                 max_input_len: int | None = None, max_output_len: int | None = None,
-                timeout: float = 600.0, progress: bool = True) -> dict:
-    """Replay the trace at ``rate`` against the server at ``url`` and summarise (see module doc).
+                timeout: float = 600.0, progress: bool = True, deadline: float | None = None,
+                system_prompt: dict | None = PAT_SYSTEM_PROMPT) -> dict:
+    """Replay the trace at ``rate`` against the server at ``url`` and summarise (see module doc;
+    ``system_prompt``: see :func:`build_requests`, None for the trace prompts alone).
 
     Only requests arriving within ``duration`` seconds (and the first ``max_requests``) are sent;
-    the model's name, vocabulary and length limit come from ``GET /v1/models``.
+    the model's name, vocabulary and length limit come from ``GET /v1/models``. Requests not done
+    ``deadline`` seconds after the first arrival are cancelled and count as failed.
     """
     import httpx
 
@@ -181,10 +218,14 @@ def bench_serve(trace_path, *, url: str, rate: float, duration: float | None = N
     keep = len(trace) if duration is None else int(np.searchsorted(arrivals, duration, side="left"))
     requests = build_requests(trace[:keep], vocab_size=int(info["vocab_size"]), arrivals=arrivals[:keep],
                               block_tokens=block_tokens, seed=seed, max_input_len=max_input_len,
-                              max_output_len=max_output_len, max_model_len=info.get("max_model_len"))
+                              max_output_len=max_output_len, max_model_len=info.get("max_model_len"),
+                              system_prompt=system_prompt)
     log.info("replaying %d requests of %s at %s req/s against %s", len(requests), Path(trace_path).name,
              rate if rate > 0 else "trace timestamps", url)
-    results, wall = asyncio.run(replay(url, requests, model=info["id"], timeout=timeout, progress=progress))
+    results, wall = asyncio.run(replay(url, requests, model=info["id"], timeout=timeout, progress=progress,
+                                       deadline=deadline))
     summary = summarize(results, wall)
-    summary.update(trace=str(trace_path), rate=rate, url=url, model=info["id"], block_tokens=block_tokens)
+    summary.update(trace=str(trace_path), rate=rate, url=url, model=info["id"], block_tokens=block_tokens,
+                   system_prompt=system_prompt,
+                   cancelled=sum(r["error"] == "cancelled at the deadline" for r in results))
     return summary

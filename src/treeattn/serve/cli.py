@@ -50,6 +50,8 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
     p.add_argument("--max-input-len", type=int, default=None, help="cap prompts (keeps shared blocks)")
     p.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
+    p.add_argument("--system-prompt", default="pat", choices=("pat", "none"),
+                   help="prepend PAT's three-level system prompt (46/348/2123 tokens) to every prompt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--json", metavar="OUT", default=None, help="write the summary here")
@@ -95,14 +97,15 @@ def _fmt(s: dict) -> str:
 
 
 def bench_serve_command(args) -> int:
-    from treeattn.serve.bench import bench_serve
+    from treeattn.serve.bench import PAT_SYSTEM_PROMPT, bench_serve
     from treeattn.workloads import find_shared
 
     trace = args.trace or find_shared() / "workloads" / "pat" / "conversation_trace.jsonl"
     summary = bench_serve(trace, url=args.url, rate=args.rate, duration=args.duration,
                           max_requests=args.max_requests, block_tokens=args.block_tokens, seed=args.seed,
                           max_input_len=args.max_input_len, max_output_len=args.max_output_len,
-                          timeout=args.timeout, progress=not args.no_progress)
+                          timeout=args.timeout, progress=not args.no_progress,
+                          system_prompt=PAT_SYSTEM_PROMPT if args.system_prompt == "pat" else None)
     print(_fmt(summary))
     if args.json:
         with open(args.json, "w") as f:

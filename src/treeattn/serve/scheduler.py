@@ -108,6 +108,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.preemptions = 0
+        self.decoded = 0                      # sequences sampled, summed over steps
+        self.max_batch_seen = 0
+        self.strategies: dict[str, int] = {}  # decode steps per attention strategy the engine used
+        self.plan_ms = 0.0                    # host time the engine spent planning attention
 
     # ------------------------------------------------------------------ other threads
     def start(self) -> Scheduler:
@@ -175,7 +179,10 @@ class Scheduler:
         def read():
             pool, c = self.engine.pool, self.cache
             return {"waiting": len(self._waiting), "running": len(self._running), "steps": self.steps,
-                    "preemptions": self.preemptions, "free_pages": pool.num_free_pages,
+                    "preemptions": self.preemptions, "decoded_tokens": self.decoded,
+                    "max_batch_seen": self.max_batch_seen, "strategies": dict(self.strategies),
+                    "plan_ms": self.plan_ms,
+                    "free_pages": pool.num_free_pages,
                     "num_pages": pool.num_pages, "cached_blocks": c.num_nodes,
                     "prefix_hit_tokens": c.hit_tokens, "prefill_tokens": c.miss_tokens}
         return self.call(read)
@@ -308,6 +315,8 @@ class Scheduler:
         eng = self.engine
         self._preempt_for(self._batch_size())
         order = [(req, i) for req in self._running for i in sorted(req.leaves)]
+        self.decoded += len(order)
+        self.max_batch_seen = max(self.max_batch_seen, len(order))
         leaves = [req.leaves[i] for req, i in order]
         logits = eng.logits_for(leaves)
         tokens = logits.argmax(dim=-1)
@@ -345,3 +354,10 @@ class Scheduler:
             eng.decode([req.leaves[i] for req, i in cont], upload(np.asarray(cont_tok), eng.device),
                        horizon=horizon)
         self.steps += 1
+        # the engine appends one StepStats per step: fold them into counters so that a long-running
+        # server does not accumulate them
+        for st in eng.stats:
+            self.plan_ms += st.plan_ms
+            if st.strategy:
+                self.strategies[st.strategy] = self.strategies.get(st.strategy, 0) + 1
+        eng.stats.clear()

@@ -204,5 +204,7 @@ def run_server(scheduler: Scheduler, *, host: str, port: int, model_name: str, t
     scheduler.start()
     try:
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    except KeyboardInterrupt:       # uvicorn re-raises the SIGINT it shut down for: a normal exit
+        log.info("stopped by SIGINT")
     finally:
         scheduler.stop()
