@@ -72,14 +72,15 @@ class DecodeGraphs:
         pos, slots = b["meta"][:m], b["meta"][m: 2 * m]
         last = model.config.num_layers - 1
 
+        # the pieces write straight into the static buffers (q_out / out), saving two copies a layer
         def first():
             h.copy_(model.embed(tok))
-            q.copy_(model.pre_attention(0, h, pos, slots, caches)[0])
+            model.pre_attention(0, h, pos, slots, caches, q_out=q)
 
         def middle(layer):
             def seg():
-                h.copy_(model.post_attention(layer, h, o))
-                q.copy_(model.pre_attention(layer + 1, h, pos, slots, caches)[0])
+                model.post_attention(layer, h, o, out=h)
+                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q)
             return seg
 
         def final():

@@ -4,7 +4,9 @@ KV cache) and whose prefill uses causal SDPA.
 
 The forward pass is split into per-layer pieces (:meth:`TreeModel.pre_attention`,
 :meth:`TreeModel.post_attention`) so that the pieces between two attention calls can be captured
-in CUDA graphs (:mod:`treeattn.engine.graphs`).
+in CUDA graphs (:mod:`treeattn.engine.graphs`). On CUDA the elementwise parts of those pieces run as
+fused Triton kernels (:mod:`treeattn.engine.fused`: RMSNorm with the residual add, RoPE of q and k
+with the K/V cache write, SwiGLU); the PyTorch code here is the reference and the CPU path.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from treeattn.engine import fused
 from treeattn.engine.config import ModelConfig, load_config
 from treeattn.engine.weights import Weights, load_weights, random_weights
 
@@ -46,6 +49,10 @@ class TreeModel:
     device : torch.device or str
     dtype : torch.dtype
         float32, float16 or bfloat16.
+    fused : bool or None
+        Run the elementwise parts as fused Triton kernels (:mod:`treeattn.engine.fused`); default:
+        on CUDA. On CPU they need Triton's interpreter (``TRITON_INTERPRET=1``). Can be changed
+        later through the ``fused`` attribute.
 
     Notes
     -----
@@ -53,7 +60,8 @@ class TreeModel:
     (a flat view of the KV pool: slot ``s`` holds the key/value of one token).
     """
 
-    def __init__(self, config: ModelConfig, weights: Weights, *, device="cpu", dtype=torch.float32):
+    def __init__(self, config: ModelConfig, weights: Weights, *, device="cpu", dtype=torch.float32,
+                 fused: bool | None = None):
         self.config = config
         self.weights = weights
         self.device = torch.device(device)
@@ -62,27 +70,29 @@ class TreeModel:
         self.cos = torch.empty(0, config.head_dim, device=self.device, dtype=dtype)
         self.sin = torch.empty_like(self.cos)
         self.tokenizer = None
+        self.fused = self.device.type == "cuda" if fused is None else bool(fused)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, model_dir, *, device="cpu", dtype=torch.float32) -> "TreeModel":
+    def from_pretrained(cls, model_dir, *, device="cpu", dtype=torch.float32,
+                        fused: bool | None = None) -> "TreeModel":
         """Load a Hugging Face model directory (config.json + safetensors; tokenizer.json if any)."""
         from treeattn.engine.weights import load_tokenizer
 
         config = load_config(model_dir)
         model = cls(config, load_weights(model_dir, config, device=device, dtype=dtype), device=device,
-                    dtype=dtype)
+                    dtype=dtype, fused=fused)
         model.tokenizer = load_tokenizer(model_dir)
         return model
 
     @classmethod
     def random(cls, config, *, device="cpu", dtype=torch.float32, seed: int = 0,
-               std: float = 0.02) -> "TreeModel":
+               std: float = 0.02, fused: bool | None = None) -> "TreeModel":
         """Random weights of a preset name (``"tiny"``, ``"llama3-8b"``) or a :class:`ModelConfig`."""
         if isinstance(config, str):
             config = ModelConfig.preset(config)
         return cls(config, random_weights(config, device=device, dtype=dtype, seed=seed, std=std),
-                   device=device, dtype=dtype)
+                   device=device, dtype=dtype, fused=fused)
 
     # ------------------------------------------------------------------ pieces
     def ensure_positions(self, n: int) -> None:
@@ -102,35 +112,56 @@ class TreeModel:
         return self.weights.embed.index_select(0, tokens)
 
     def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      caches) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      caches, *, q_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm, q/k/v projection and RoPE of ``h [n, hidden]`` at ``positions`` int64 ``[n]``; K/V
         are written to ``slots`` int64 ``[n]`` of the layer's cache. Returns ``(q [n, Hq, D], k, v
-        [n, Hkv, D])``."""
+        [n, Hkv, D])``; ``q`` is written into ``q_out [n, Hq, D]`` (and returned) when given.
+
+        Fused: 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
         c, w = self.config, self.weights.layers[layer]
         n = h.shape[0]
+        kc, vc = caches[layer]
+        if self.fused:
+            x = fused.rms_norm(h, w.attn_norm, c.rms_norm_eps)
+            return fused.rope_qkv_cache(F.linear(x, w.qkv, w.qkv_bias), self.cos, self.sin, positions,
+                                        slots, kc, vc, c.num_heads, c.num_kv_heads, c.head_dim,
+                                        q_out=q_out)
         x = rms_norm(h, w.attn_norm, c.rms_norm_eps)
         q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.view(n, c.num_kv_heads, c.head_dim)
-        kc, vc = caches[layer]
         kc.index_copy_(0, slots, k)
         vc.index_copy_(0, slots, v)
+        if q_out is not None:
+            q = q_out.copy_(q)
         return q, k, v
 
-    def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Output projection of the attention result ``o [n, Hq, D]``, residual, MLP, residual."""
+    def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor, *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Output projection of the attention result ``o [n, Hq, D]``, residual, MLP, residual.
+        Returns the new ``h [n, hidden]``, written into ``out`` when given (``out`` may be ``h``).
+
+        Fused: 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add); unfused: about 15."""
         c, w = self.config, self.weights.layers[layer]
-        h = h + F.linear(o.reshape(h.shape[0], c.q_size), w.o, w.o_bias)
+        a = F.linear(o.reshape(h.shape[0], c.q_size), w.o, w.o_bias)
+        if self.fused:
+            h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
+            act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
+            d = F.linear(act, w.down, w.down_bias)
+            return torch.add(h, d, out=out) if out is not None else h.add_(d)
+        h = h + a
         x = rms_norm(h, w.mlp_norm, c.rms_norm_eps)
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return h if out is None else out.copy_(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]``."""
-        return F.linear(rms_norm(h, self.weights.norm, self.config.rms_norm_eps),
-                        self.weights.lm_head).float()
+        norm = fused.rms_norm if self.fused else rms_norm
+        return F.linear(norm(h, self.weights.norm, self.config.rms_norm_eps), self.weights.lm_head).float()
 
     # ------------------------------------------------------------------ passes
     @torch.no_grad()
