@@ -179,6 +179,8 @@ def server_command(args, strategy: str, port: int) -> list:
             "--window", str(args.window)]
     if args.no_cuda_graphs:
         cmd.append("--no-cuda-graphs")
+    if args.no_fused_layers:
+        cmd.append("--no-fused-layers")
     cmd += ["--strategy", strategy, "--host", args.host, "--port", str(port),
             "--prefix-block", str(args.prefix_block), "--max-model-len", str(args.max_model_len),
             "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue),

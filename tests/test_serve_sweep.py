@@ -84,7 +84,7 @@ def test_server_command_passes_model_args(sweep):
     assert cmd[1:4] == ["-m", "treeattn.cli", "serve"]
     line = " ".join(cmd)
     for part in ("--random-weights llama3-8b", "--device cuda", "--dtype bfloat16", "--kv-tokens 1000",
-                 "--page-size 32", "--strategy sequence", "--port 8123", "--prefix-block 512",
+                 "--page-size 32", "--strategy sequence", "--port 8123", "--prefix-block 64",
                  "--max-model-len 8192"):
         assert part in line
     with pytest.raises(SystemExit):

@@ -39,6 +39,8 @@ def add_model_args(p, default_random=None) -> None:
     p.add_argument("--kv-tokens", type=int, default=65536, help="KV pool capacity in tokens")
     p.add_argument("--window", type=int, default=16, help="decode steps planned at once (1: every step)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode forward eagerly")
+    p.add_argument("--no-fused-layers", action="store_true",
+                   help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
@@ -108,9 +110,10 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
 def load_model(args) -> TreeModel:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    fused = False if getattr(args, "no_fused_layers", False) else None
     if args.model:
-        return TreeModel.from_pretrained(args.model, device=device, dtype=dtype)
-    return TreeModel.random(args.random_weights, device=device, dtype=dtype, seed=args.seed)
+        return TreeModel.from_pretrained(args.model, device=device, dtype=dtype, fused=fused)
+    return TreeModel.random(args.random_weights, device=device, dtype=dtype, seed=args.seed, fused=fused)
 
 
 def _engine_kw(args) -> dict:
