@@ -294,3 +294,17 @@ def test_cuda_engine_matches_transformers(tiny, strategy):
     assert ours["sequences"] == ref.tolist()
     eng.reset()
     assert eng.pool.num_free_pages == eng.pool.num_pages
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_survive_a_bigger_bucket(tiny):
+    """A bucket bigger than the captured ones reallocates the static buffers and the graph
+    memory pool (as a server's first 1-token step followed by a 40-sequence batch does)."""
+    hf, path = tiny
+    m = TreeModel.from_pretrained(path, device="cuda", dtype=torch.float32)
+    eng = TreeEngine(m, strategy="auto", page_size=16, kv_tokens=8192)
+    eng.prepare_graphs([1])
+    eng.prepare_graphs([40])
+    ctl = SamplingController([list(range(10, 47))], n=40, sampler=Sampler(seed=3), max_new_tokens=6)
+    check_leaves(hf, eng.run(ctl)["leaves"])
+    assert not eng.graphs.disabled and eng.graphs.max_diff < 1e-4

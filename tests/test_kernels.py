@@ -136,3 +136,46 @@ def test_torch_backend_random_forests(strategy, tree, page_size, seed):
     w = TreeAttention(backend="torch")
     plan = w.plan(paged, num_qo_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, strategy=strategy)
     assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-10
+
+
+@pytest.mark.parametrize("strategy", ["sequence", "flatten", "greedy"])
+@pytest.mark.parametrize("tree_name", ["suite_deep", "medusa", "random_inner_queries"])
+def test_fused_merge_equals_merge_kernel(rng, strategy, tree_name):
+    """The merge fused into the attention launches (last arriver merges) gives the merge kernel's
+    output and LSE, leaves its counters at zero, and repeated runs agree."""
+    from treeattn.ops import merge_partials, partial_attention
+
+    tree = TREES[tree_name](rng)
+    hq, hkv, d = 8, 2, 64
+    q = torch.randn(tree.num_queries, hq, d)
+    k = torch.randn(tree.num_tokens, hkv, d)
+    v = torch.randn(tree.num_tokens, hkv, d)
+    paged, kc, vc = paged_copy(tree, k, v, 16, rng)
+    w = TreeAttention(backend="triton")
+    plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
+    assert plan.every_query_planned
+    fused, fused_lse = w.run(q, kc, vc, plan, return_lse=True)
+    assert not w._counters.any()
+    again = w.run(q, kc, vc, plan)
+    assert torch.equal(fused, again)
+    rows = plan.num_rows
+    o_part, lse_part = torch.empty(rows, hq, d), torch.empty(rows, hq)
+    partial_attention(q, kc, vc, plan, o_part, lse_part, sm_scale=d ** -0.5)
+    out, lse = torch.empty_like(q), torch.empty(tree.num_queries, hq)
+    merge_partials(o_part, lse_part, plan.merge_indptr, plan.merge_indices, out, lse)
+    assert torch.allclose(fused, out, atol=1e-6) and torch.allclose(fused_lse, lse, atol=1e-6)
+    ref, ref_lse = reference_attention(q, kc, vc, paged)
+    assert rel_l2(fused, ref) <= 1e-4 and rel_l2(fused_lse, ref_lse) <= 1e-4
+
+
+def test_fused_merge_rejects_missing_counters(rng):
+    from treeattn.ops import partial_attention
+
+    tree = TREES["suite_deep"](rng)
+    q = torch.randn(tree.num_queries, 4, 64)
+    k = torch.randn(tree.num_tokens, 1, 1, 64)
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="counters"):
+        partial_attention(q, k, k, plan, torch.empty(plan.num_rows, 4, 64), torch.empty(plan.num_rows, 4),
+                          sm_scale=0.1, out=torch.empty_like(q))

@@ -8,8 +8,10 @@ from hypothesis import given
 from helpers import expected_coverage, forests, planned_coverage, random_tree
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
+from treeattn.plan.greedy import _assign_edges, _padding
 from treeattn.plan.items import split_long_items
 from treeattn.plan.node import node_items
+from treeattn.plan.plan import _pair_visibility
 from treeattn.reference import visibility_mask
 from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
 
@@ -143,3 +145,63 @@ def test_cost_model_prefers_sharing_for_wide_trees():
     cost = CostModel()
     plan = make_plan(tree, HeadConfig(32, 8, 128), strategy="auto", cost=cost)
     assert plan.strategy != "sequence"
+
+
+def sequential_edge_assignment(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.ndarray:
+    """FastTree's Alg. 1 as written: nodes breadth-first, each parent's children in id order."""
+    a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
+    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
+    topo, length = tree.topology, tree.lengths.tolist()
+    glued = np.zeros(tree.num_nodes, dtype=bool)
+
+    def pad(n, tile):
+        return tile - ((n - 1) % tile + 1)
+
+    for v in np.argsort(topo.depth, kind="stable").tolist():
+        nq_cur, len_v = int(rows[v]), length[v]
+        for c in topo.child_indices[topo.child_indptr[v]:topo.child_indptr[v + 1]].tolist():
+            nq_l, len_l = int(rows[c]), length[c]
+            split_kv = (a * pad(nq_cur, tq) * len_v + b * nq_cur * pad(min(len_v, tc), tc)
+                        + a * pad(nq_l, tq) * len_l + b * nq_l * pad(min(len_l, tc), tc) + g * nq_l)
+            split_q = (a * pad(nq_cur - nq_l, tq) * len_v + b * (nq_cur - nq_l) * pad(min(len_v, tc), tc)
+                       + a * pad(nq_l, tq) * (len_v + len_l) + b * nq_l * pad(min(len_v + len_l, tc), tc))
+            if split_kv > split_q:
+                glued[c], nq_cur, length[c] = True, nq_cur - nq_l, len_v + len_l
+    return glued
+
+
+@pytest.mark.parametrize("cost", [CostModel(), CostModel(fasttree_alpha=0.3, fasttree_beta=2.5,
+                                                         fasttree_gamma=0.7, fasttree_tile_q=8)])
+@given(tree=forests(max_nodes=200, max_len=100))
+def test_greedy_fixed_point_is_the_sequential_algorithm(cost, tree):
+    for group in (1, 4):
+        rows = tree.subtree_queries * group
+        assert np.array_equal(_assign_edges(tree, rows, cost), sequential_edge_assignment(tree, rows, cost))
+
+
+def test_greedy_on_chains_and_wide_trees(rng):
+    for parents in (np.arange(-1, 199), np.r_[-1, np.zeros(300, np.int64)],
+                    np.r_[-1, np.arange(150), np.repeat(np.arange(0, 150, 3), 2)]):
+        tree = DecodingTree.from_parents(parents, rng.integers(1, 80, parents.size))
+        rows = tree.subtree_queries * 4
+        assert np.array_equal(_assign_edges(tree, rows, CostModel()),
+                              sequential_edge_assignment(tree, rows, CostModel()))
+
+
+def test_padding_is_fasttrees_formula():
+    n = np.arange(-40, 200)
+    for tile in (1, 3, 16, 64):
+        assert _padding(n, tile).tolist() == [tile - ((int(x) - 1) % tile + 1) for x in n]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_planner_visible_tokens_match_the_tree(rng, strategy):
+    """Tokens per (item, query) that planners hand the builder equal what the tree says."""
+    from treeattn.plan import PLANNERS
+    trees = [tree_from_spec("1,4,16_300,40,3"), tree_from_medusa(32, context_len=50),
+             *(random_tree(rng, 80, 40, roots=2, inner_queries=bool(k % 2)) for k in range(6))]
+    for tree in trees:
+        items, _ = PLANNERS[strategy](tree, HEADS, CostModel(min_split_tokens=16, deft_chunk_tokens=24))
+        if items.q_tokens is not None:
+            q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+            assert np.array_equal(items.q_tokens, _pair_visibility(tree, items, q_item))

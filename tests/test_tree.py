@@ -94,3 +94,20 @@ def test_query_inside_node_sees_prefix():
     tree = DecodingTree.from_parents([-1, 0], [5, 4], query_nodes=[1, 1, 0], query_prefix=[1, 4, 2])
     assert tree.visible_tokens.tolist() == [6, 9, 2]
     assert tree.sees(np.array([0, 1, 1]), np.array([0, 0, 2])).tolist() == [5, 1, 0]
+
+
+def test_ranges():
+    from treeattn.tree import ranges
+    rng = np.random.default_rng(0)
+    for n, c in ((0, 3), (5, 0), (50, 1), (200, 6), (40, 300)):
+        starts = rng.integers(-50, 1000, n)
+        ends = starts + rng.integers(-2, c + 1, n)  # empty and reversed ranges give nothing
+        exp = [x for s, e in zip(starts, ends) for x in range(s, e)]
+        got = ranges(starts, ends)
+        assert got.dtype == np.int64 and got.tolist() == exp
+
+
+def test_paths_list_each_nodes_ancestors_root_first():
+    tree = DecodingTree.from_parents([2, 2, -1, 1, -1], [1, 1, 1, 1, 1])
+    owner, node = tree.paths(np.array([3, 4, 2]))
+    assert owner.tolist() == [0, 0, 0, 1, 2] and node.tolist() == [2, 1, 3, 4, 2]

@@ -139,11 +139,21 @@ def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, e)`` for each pair, vectorised."""
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(ends, dtype=np.int64) - starts
-    total = int(counts.sum())
-    if total == 0:
+    nonempty = counts > 0
+    if not nonempty.all():
+        starts, counts = starts[nonempty], counts[nonempty]
+    if counts.size == 0:
         return np.zeros(0, dtype=np.int64)
-    offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
-    return offsets + np.arange(total, dtype=np.int64)
+    first = np.cumsum(counts)
+    if first[-1] == counts.size:
+        return starts.copy()  # every range holds one value
+    # one output-sized array: steps of 1, a jump to the next start at each range's first entry,
+    # then a prefix sum (cheaper than repeat + arange + add when the output is large)
+    out = np.ones(int(first[-1]), dtype=np.int64)
+    first -= counts
+    out[0] = starts[0]
+    out[first[1:]] = starts[1:] - starts[:-1] - counts[:-1] + 1
+    return np.cumsum(out, out=out)
 
 
 def _exclusive_segment_cumsum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
@@ -280,11 +290,17 @@ class DecodingTree:
         return node, prefix
 
     @functools.cached_property
+    def effective_paths(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 ``(query, node)``: :meth:`paths` of the effective query nodes (zero-length
+        nodes included)."""
+        return self.paths(self.effective_queries[0])
+
+    @functools.cached_property
     def visible_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int64 ``(query, node, visible)``: every (query, node) pair where the query sees
         ``visible >= 1`` leading tokens of the node; by query, then root first along its path."""
         eff_node, eff_prefix = self.effective_queries
-        owner, node = self.paths(eff_node)
+        owner, node = self.effective_paths
         visible = np.where(node == eff_node[owner], eff_prefix[owner], self.lengths[node])
         keep = visible > 0
         return owner[keep], node[keep], visible[keep]
@@ -309,18 +325,18 @@ class DecodingTree:
         """Root-to-node paths: int64 ``(owner, node)`` listing, for each entry ``k`` of ``nodes``,
         its ancestors root first and then itself (``owner`` = ``k``)."""
         nodes = np.asarray(nodes, dtype=np.int64)
-        owners, segs = [], []
-        cur, alive = nodes.copy(), np.arange(nodes.size)
-        while alive.size:
-            owners.append(alive)
-            segs.append(cur)
-            nxt = self.parents[cur]
-            keep = nxt >= 0
-            alive, cur = alive[keep], nxt[keep]
-        owner = np.concatenate(owners)
-        seg = np.concatenate(segs)
-        order = np.lexsort((self.topology.depth[seg], owner))
-        return owner[order], seg[order]
+        count = self.topology.depth[nodes] + 1
+        end = np.cumsum(count)
+        owner = np.repeat(np.arange(nodes.size), count)
+        seg = np.empty(owner.size, dtype=np.int64)
+        # walk up one level per step, writing each ancestor at its depth's slot of the path
+        pos, cur = end - 1, nodes
+        while cur.size:
+            seg[pos] = cur
+            up = self.parents[cur]
+            keep = up >= 0
+            pos, cur = pos[keep] - 1, up[keep]
+        return owner, seg
 
     def sees(self, nodes: np.ndarray, queries: np.ndarray) -> np.ndarray:
         """Tokens of ``nodes`` visible to ``queries`` (element-wise, int64)."""

@@ -160,19 +160,53 @@ class TreeEngine:
         float32 logits ``[vocab]`` after the last one."""
         if not len(tokens):
             raise ValueError("prefill needs at least one token")
-        ids = np.asarray(tokens)
+        self._check_vocab(np.asarray(tokens))
+        self._close_window()
+        ctx = self.tree.path_slots(node)
+        slots, pos = self.tree.extend(node, tokens)
+        return self._prefill_run(node, np.asarray(tokens), pos, slots, ctx)
+
+    def prefill_chain(self, parent: int | None, chunks) -> list:
+        """Prefill consecutive token runs as a chain of new nodes below ``parent`` (new roots
+        when None) in one forward pass; returns the nodes, the last one holding the logits.
+
+        A prefix cache keeps one node per cached block but should not pay one forward pass per
+        block. When the pool runs out of pages the chain is removed and
+        :class:`treeattn.KVPoolOutOfMemory` raised.
+        """
+        chunks = [np.asarray(c) for c in chunks]
+        if not chunks or any(c.size == 0 for c in chunks):
+            raise ValueError("prefill_chain needs non-empty token runs")
+        ids = np.concatenate(chunks)
+        self._check_vocab(ids)
+        self._close_window()
+        ctx = self.tree.path_slots(parent) if parent is not None else np.zeros(0, dtype=np.int64)
+        nodes, slots, pos = [], [], []
+        try:
+            for c in chunks:
+                top = nodes[-1] if nodes else parent
+                nodes.append(self.tree.add_root() if top is None else self.tree.add_children(top, 1)[0])
+                s, p = self.tree.extend(nodes[-1], c)
+                slots.append(s)
+                pos.append(p)
+        except Exception:
+            for n in reversed(nodes):
+                self.tree.prune(n, cascade=False)
+            raise
+        self._prefill_run(nodes[-1], ids, np.concatenate(pos), np.concatenate(slots), ctx)
+        return nodes
+
+    def _check_vocab(self, ids: np.ndarray) -> None:
         vocab = self.model.config.vocab_size
         if ids.min() < 0 or ids.max() >= vocab:
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
             raise ValueError(f"token id {bad} is out of the model's vocabulary [0, {vocab})")
-        self._close_window()
-        ctx = self.tree.path_slots(node)
-        slots, pos = self.tree.extend(node, tokens)
+
+    def _prefill_run(self, node: int, ids: np.ndarray, pos, slots, ctx) -> torch.Tensor:
         self._check_positions(pos)
         if self.compute:
             d = self.device
-            logits = self._prefill_model(upload(np.asarray(tokens), d), upload(pos, d), upload(slots, d),
-                                         upload(ctx, d))
+            logits = self._prefill_model(upload(ids, d), upload(pos, d), upload(slots, d), upload(ctx, d))
         else:
             logits = self._zeros(1)[0]
         self._logits[node] = (logits[None], 0)

@@ -56,6 +56,9 @@ class DecodeGraphs:
     def _alloc(self, m: int) -> None:
         c, dev, dt = self.model.config, self.model.device, self.model.dtype
         self._graphs.clear()
+        # a fresh memory pool: capturing into the pool of graphs just destroyed trips the caching
+        # allocator (PyTorch's use_count assertion) when a bigger bucket arrives after a smaller one
+        self._pool = None
         self._cap = m
         self._bufs = {
             "tok": torch.zeros(m, dtype=torch.int64, device=dev),

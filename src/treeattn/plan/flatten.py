@@ -35,7 +35,14 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     qb0, qb1 = flat[node] // block, (flat[node] + visible - 1) // block
     pair_block = ranges(qb0, qb1 + 1)
     pair_q = np.repeat(q, qb1 - qb0 + 1)
-    key = np.unique(pair_block * tree.num_queries + pair_q)
+    # tokens of the block the query sees through this node
+    pair_start = np.repeat(flat[node], qb1 - qb0 + 1)
+    pair_end = pair_start + np.repeat(visible, qb1 - qb0 + 1)
+    seen = np.minimum(pair_end, (pair_block + 1) * block) - np.maximum(pair_start, pair_block * block)
+    # pairs go by query, root first, so each query's blocks are non-decreasing: merging repeats
+    # of the previous (block, query) leaves each once, and grouping by block keeps queries sorted
+    new = np.flatnonzero(np.concatenate(
+        ([True], (pair_block[1:] != pair_block[:-1]) | (pair_q[1:] != pair_q[:-1]))))
     items = items_from_groups(piece_block[order], piece_node[order], lo[order], hi[order],
-                              key // tree.num_queries, key % tree.num_queries, n_blocks)
+                              pair_block[new], pair_q[new], n_blocks, q_tokens=np.add.reduceat(seen, new))
     return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"

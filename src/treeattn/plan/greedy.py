@@ -18,34 +18,69 @@ from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
-def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+def _padding(n: np.ndarray, tile: int) -> np.ndarray:
+    """Padding of ``n`` up to a multiple of ``tile``: FastTree's ``tile - ((n - 1) % tile + 1)``
+    (floor modulo, as Python's), which is ``-n % tile`` for every integer ``n``."""
+    return -n % tile
+
+
+def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.ndarray:
+    """bool [N]: FastTree's Alg. 1 decision for every edge ``parent(l) -> l`` (True: assigned 1).
+
+    The algorithm visits edges breadth-first, a parent's children in id order; an edge's decision
+    depends on its parent's length (longer when the parent's own edge was assigned 1) and on its
+    earlier siblings' decisions (``nq_cur`` shrinks by every assigned sibling's rows). All edges
+    are decided at once from a guess of those decisions, repeatedly, until nothing changes: the
+    dependencies form a DAG, so the fixed point is unique and reached, and it is the sequential
+    algorithm's result. Costs are computed with the sequential algorithm's float operations in
+    its order (bit-identical decisions); they are in units of head_dim (every term has one factor
+    d): the padding cost of a group is ``alpha * Pad(TS_q, nQ) * len + beta * nQ * Pad(TS_c,
+    min(len, TS_c))`` (FastTree eqs. 3-7).
+    """
     topo = tree.topology
     a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
     tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
-    rows = (tree.subtree_queries * heads.group).tolist()
-    length = tree.lengths.tolist()
-    indptr, kids = topo.child_indptr.tolist(), topo.child_indices.tolist()
     glued = np.zeros(tree.num_nodes, dtype=bool)
-    internal = np.flatnonzero(np.diff(topo.child_indptr) > 0)
-    # costs are in units of head_dim (every term has one factor d); the padding cost of a group
-    # is alpha * Pad(TS_q, nQ) * len + beta * nQ * Pad(TS_c, min(len, TS_c)) (FastTree eqs. 3-7),
-    # written out inline because this loop runs once per edge
-    for v in internal[np.argsort(topo.depth[internal], kind="stable")].tolist():
-        nq_cur, len_v = rows[v], length[v]
-        pad_kv_v = tc - ((min(len_v, tc) - 1) % tc + 1)
-        for l in kids[indptr[v]:indptr[v + 1]]:
-            nq_l, len_l = rows[l], length[l]
-            nq_rest, len_lv = nq_cur - nq_l, len_v + len_l
-            split_kv = (a * (tq - ((nq_cur - 1) % tq + 1)) * len_v + b * nq_cur * pad_kv_v
-                        + a * (tq - ((nq_l - 1) % tq + 1)) * len_l
-                        + b * nq_l * (tc - ((min(len_l, tc) - 1) % tc + 1)) + g * nq_l)
-            split_q = (a * (tq - ((nq_rest - 1) % tq + 1)) * len_v + b * nq_rest * pad_kv_v
-                       + a * (tq - ((nq_l - 1) % tq + 1)) * len_lv
-                       + b * nq_l * (tc - ((min(len_lv, tc) - 1) % tc + 1)))
-            if split_kv > split_q:
-                glued[l] = True
-                nq_cur = nq_rest
-                length[l] = len_lv
+    kids = topo.child_indices  # by (parent, id)
+    if kids.size == 0:
+        return glued
+    par = tree.parents[kids]
+    first = np.flatnonzero(np.concatenate(([True], par[1:] != par[:-1])))
+    sib = np.repeat(first, np.diff(np.append(first, kids.size)))  # each edge's first sibling
+    # terms of the child on its own
+    nq, len_l = rows[kids], tree.lengths[kids]
+    rows_v = rows[par]
+    pad_q_l = _padding(nq, tq)
+    pad_l = a * pad_q_l * len_l
+    kv_l = b * nq * _padding(np.minimum(len_l, tc), tc)
+    reduce_l = g * nq
+    # a node's group reads the tokens from the top of its glued chain: path tokens since the top
+    through = topo.path_tokens + tree.lengths
+    depth_bits = int(topo.depth.max()).bit_length()
+    while True:
+        top = np.where(glued, tree.parents, np.arange(glued.size))
+        for _ in range(depth_bits):
+            top = top[top]
+        length = through - topo.path_tokens[top]
+        len_v = length[par]
+        len_lv = len_v + len_l
+        pad_kv_v = _padding(np.minimum(len_v, tc), tc)
+        moved = np.where(glued[kids], nq, 0)  # rows that glued children take from the parent
+        taken = np.cumsum(moved)
+        nq_cur = rows_v - (taken - moved - taken[sib] + moved[sib])  # earlier siblings only
+        nq_rest = nq_cur - nq
+        split_kv = (a * _padding(nq_cur, tq) * len_v + b * nq_cur * pad_kv_v + pad_l + kv_l
+                    + reduce_l)
+        split_q = (a * _padding(nq_rest, tq) * len_v + b * nq_rest * pad_kv_v
+                   + a * pad_q_l * len_lv + b * nq * _padding(np.minimum(len_lv, tc), tc))
+        now = split_kv > split_q
+        if np.array_equal(now, glued[kids]):
+            return glued
+        glued[kids] = now
+
+
+def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    glued = _assign_edges(tree, tree.subtree_queries * heads.group, cost)
     items = glued_items(tree, glued)
     note = ""
     item_len = items.item_len

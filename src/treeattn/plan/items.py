@@ -8,13 +8,14 @@ turns on the tree mask for the plan.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from treeattn.tree import DecodingTree, ranges
 
-__all__ = ["WorkItems", "items_from_groups", "split_long_items", "glued_items"]
+__all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,10 @@ class WorkItems:
         Segment = tokens ``[seg_lo, seg_hi)`` of node ``seg_node``.
     q_indptr, q_indices : [num_items + 1], [nnz]
         Queries of each item.
+    q_tokens : [nnz] or None
+        Tokens of its item that each query sees, when the planner knows them cheaply (else the
+        plan builder computes them from the tree); :func:`split_long_items` keeps them when every
+        query sees its items whole.
     """
 
     seg_indptr: np.ndarray
@@ -37,12 +42,13 @@ class WorkItems:
     seg_hi: np.ndarray
     q_indptr: np.ndarray
     q_indices: np.ndarray
+    q_tokens: np.ndarray | None = None
 
     @property
     def num_items(self) -> int:
         return int(self.seg_indptr.size - 1)
 
-    @property
+    @functools.cached_property
     def item_len(self) -> np.ndarray:
         """int64 [num_items]: KV tokens of each item."""
         seg_len = self.seg_hi - self.seg_lo
@@ -59,7 +65,8 @@ class WorkItems:
         return WorkItems(
             _indptr(self.seg_indptr[keep + 1] - self.seg_indptr[keep]), self.seg_node[seg],
             self.seg_lo[seg], self.seg_hi[seg],
-            _indptr(self.q_indptr[keep + 1] - self.q_indptr[keep]), self.q_indices[qs])
+            _indptr(self.q_indptr[keep + 1] - self.q_indptr[keep]), self.q_indices[qs],
+            None if self.q_tokens is None else self.q_tokens[qs])
 
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
@@ -73,18 +80,32 @@ def _segment_sum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
     return c[indptr[1:]] - c[indptr[:-1]]
 
 
-def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_items: int) -> WorkItems:
+def group_order(ids: np.ndarray, num_groups: int) -> np.ndarray | None:
+    """Stable order that groups ``ids`` (in ``[0, num_groups)``), or None when they already are."""
+    if ids.size < 2 or not np.any(ids[1:] < ids[:-1]):
+        return None
+    if num_groups <= 1 << 16:
+        ids = ids.astype(np.uint16)  # numpy's stable sort of 16-bit keys is a (fast) radix sort
+    return np.argsort(ids, kind="stable")
+
+
+def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_items: int,
+                      q_tokens=None) -> WorkItems:
     """Build :class:`WorkItems` from flat (item id, ...) lists; segment order within an item and
     query order within an item are kept (stable sort by item)."""
     seg_item = np.asarray(seg_item, dtype=np.int64)
     q_item = np.asarray(q_item, dtype=np.int64)
-    so = np.argsort(seg_item, kind="stable")
-    qo = np.argsort(q_item, kind="stable")
-    return WorkItems(
-        _indptr(np.bincount(seg_item, minlength=num_items)),
-        np.asarray(seg_node, dtype=np.int64)[so], np.asarray(seg_lo, dtype=np.int64)[so],
-        np.asarray(seg_hi, dtype=np.int64)[so],
-        _indptr(np.bincount(q_item, minlength=num_items)), np.asarray(q_query, dtype=np.int64)[qo])
+    seg = [np.asarray(a, dtype=np.int64) for a in (seg_node, seg_lo, seg_hi)]
+    q_query = np.asarray(q_query, dtype=np.int64)
+    so = group_order(seg_item, num_items)
+    if so is not None:
+        seg = [a[so] for a in seg]
+    qo = group_order(q_item, num_items)
+    if qo is not None:
+        q_query = q_query[qo]
+        q_tokens = None if q_tokens is None else q_tokens[qo]
+    return WorkItems(_indptr(np.bincount(seg_item, minlength=num_items)), *seg,
+                     _indptr(np.bincount(q_item, minlength=num_items)), q_query, q_tokens)
 
 
 def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int = 16) -> WorkItems:
@@ -101,35 +122,35 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     chunk_len = -(-length // chunks)
     chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
     chunks = np.maximum(1, -(-length // chunk_len))
-    # cut points (item-local token positions): segment starts and chunk starts
+    # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
     seg_len = items.seg_hi - items.seg_lo
     seg_item = np.repeat(np.arange(n), np.diff(items.seg_indptr))
-    seg_start_local = np.concatenate(([0], np.cumsum(seg_len)))[:-1] - \
-        np.concatenate(([0], np.cumsum(seg_len)))[items.seg_indptr[:-1]][seg_item]
-    chunk_item = np.repeat(np.arange(n), chunks)
-    chunk_start_local = ranges(np.zeros(n, np.int64), chunks) * chunk_len[chunk_item]
-    big = int(length.max()) + 1
-    keys = np.unique(np.concatenate((seg_item * big + seg_start_local, chunk_item * big + chunk_start_local)))
-    cut_item, cut_pos = keys // big, keys % big
-    nxt = np.append(cut_pos[1:], 0)
-    nxt_item = np.append(cut_item[1:], -1)
-    end = np.where(nxt_item == cut_item, nxt, length[cut_item])
-    keep = end > cut_pos
-    cut_item, cut_pos, end = cut_item[keep], cut_pos[keep], end[keep]
-    # map each piece to its segment (last segment of the item starting at or before it)
-    seg_key = seg_item * big + seg_start_local
-    s = np.searchsorted(seg_key, cut_item * big + cut_pos, side="right") - 1
-    piece_node = items.seg_node[s]
-    piece_lo = items.seg_lo[s] + (cut_pos - seg_start_local[s])
-    piece_hi = piece_lo + (end - cut_pos)
-    piece_chunk = cut_pos // chunk_len[cut_item]
+    csum = np.concatenate(([0], np.cumsum(seg_len)))
+    seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
+    live = np.flatnonzero(seg_len > 0)
+    cl = chunk_len[seg_item[live]]
+    c0, c1 = seg_start[live] // cl, (seg_start[live] + seg_len[live] - 1) // cl
+    piece_seg = np.repeat(live, c1 - c0 + 1)
+    piece_chunk = ranges(c0, c1 + 1)
+    piece_cl = np.repeat(cl, c1 - c0 + 1)
+    start = np.maximum(piece_chunk * piece_cl, seg_start[piece_seg])
+    end = np.minimum((piece_chunk + 1) * piece_cl, seg_start[piece_seg] + seg_len[piece_seg])
+    piece_lo = items.seg_lo[piece_seg] + (start - seg_start[piece_seg])
     new_item_base = np.concatenate(([0], np.cumsum(chunks)))[:-1]
-    piece_new_item = new_item_base[cut_item] + piece_chunk
+    piece_new_item = new_item_base[seg_item[piece_seg]] + piece_chunk
+    chunk_item = np.repeat(np.arange(n), chunks)
     q_cnt = items.item_queries[chunk_item]
     q_new_item = np.repeat(np.arange(chunk_item.size), q_cnt)
     q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
-    return items_from_groups(piece_new_item, piece_node, piece_lo, piece_hi, q_new_item, q_new,
-                             int(chunks.sum()))
+    q_tokens = None
+    if items.q_tokens is not None and np.array_equal(items.q_tokens, np.repeat(length, items.item_queries)):
+        # queries that saw their items whole see every chunk whole
+        local = np.arange(chunk_item.size) - new_item_base[chunk_item]
+        cl = chunk_len[chunk_item]
+        q_tokens = np.minimum(cl, length[chunk_item] - local * cl)[q_new_item]
+    return items_from_groups(piece_new_item, items.seg_node[piece_seg], piece_lo,
+                             piece_lo + (end - start), q_new_item, q_new, int(chunks.sum()),
+                             q_tokens=q_tokens)
 
 
 def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
@@ -141,23 +162,33 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
     the bottom of such a chain on their path.
     """
-    eff_node, _ = tree.effective_queries
-    q, node = tree.paths(eff_node)  # zero-length nodes kept: they can carry glue
+    q, node = tree.effective_paths  # zero-length nodes kept: they can carry glue
     nxt_same = np.append(q[1:] == q[:-1], False)
     nxt_node = np.append(node[1:], -1)
     bottom = ~nxt_same | ~glued[np.maximum(nxt_node, 0)] | (nxt_node < 0)
-    # chain of every node: walk up while glued
+    # chain of every node: walk up while glued; step k of the walk is the k-th ancestor, which
+    # goes k slots before the node's own (last) slot of its chain
     n = tree.num_nodes
-    owner = [np.arange(n)]
-    seg = [np.arange(n)]
-    alive, cur = np.arange(n), np.arange(n)
+    owner, seg, step = [np.arange(n)], [np.arange(n)], 0
+    alive, cur = owner[0], seg[0]
     while alive.size:
         up = glued[cur] & (tree.parents[cur] >= 0)
         alive, cur = alive[up], tree.parents[cur[up]]
         owner.append(alive)
         seg.append(cur)
+        step += 1
+    steps = np.repeat(np.arange(step + 1), [a.size for a in owner])
     owner, seg = np.concatenate(owner), np.concatenate(seg)
-    order = np.lexsort((tree.topology.depth[seg], owner))
-    owner, seg = owner[order], seg[order]
-    return items_from_groups(owner, seg, np.zeros_like(seg), tree.node_extent[seg], node[bottom],
-                             q[bottom], n)
+    chain_len = np.bincount(owner, minlength=n)
+    chain_end = np.cumsum(chain_len)
+    chain = np.empty(owner.size, dtype=np.int64)
+    chain[chain_end[owner] - 1 - steps] = seg
+    extent = tree.node_extent
+    csum = np.concatenate(([0], np.cumsum(extent[chain])))
+    item_len = csum[chain_end] - csum[chain_end - chain_len]
+    # a query sees its items whole, but for the item ending at its own (effective) node, whose
+    # first eff_prefix tokens it sees
+    b, last = node[bottom], ~nxt_same[bottom]
+    q_tokens = item_len[b] - np.where(last, extent[b] - tree.effective_queries[1][q[bottom]], 0)
+    return items_from_groups(np.repeat(np.arange(n), chain_len), chain, np.zeros_like(chain),
+                             extent[chain], b, q[bottom], n, q_tokens=q_tokens)

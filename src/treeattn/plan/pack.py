@@ -24,8 +24,8 @@ def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[W
     glued = np.zeros(tree.num_nodes, dtype=bool)
     chain = tree.lengths.copy()  # len_s: tokens of the blocks a node's pack reads
     by_depth = np.argsort(topo.depth, kind="stable")
-    levels = np.split(by_depth, np.flatnonzero(np.diff(topo.depth[by_depth])) + 1)
-    for kids in levels[1:]:
+    bounds = (np.flatnonzero(np.diff(topo.depth[by_depth])) + 1).tolist()
+    for kids in (by_depth[lo:hi] for lo, hi in zip(bounds, bounds[1:] + [by_depth.size])):
         par = tree.parents[kids]
         glued[kids] = ~(4 * size[kids] < chain[par])
         chain[kids] += np.where(glued[kids], chain[par], 0)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from treeattn.plan.items import WorkItems
+from treeattn.plan.items import WorkItems, group_order
 from treeattn.tree import DecodingTree, ranges
 
 __all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "build_plan"]
@@ -39,7 +39,7 @@ class HeadConfig:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,14 @@ class PlanHost:
         The planned slots (``kv_indices`` on the host).
     tail_pos, tail_node : int32 [n_tails]
         Every planned entry that is the last token of its node, and that node.
-    kv_node, kv_pos : int32 [nnz_kv] or None
-        Node and in-node offset of every entry (kept for plans with a tree mask).
+    mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
+        The tree mask on the host (plans with a tree mask).
     work_kv_start, work_kv_end : int32 [W]
+    start_tails, end_tails : int32 [W]
+        Tails before each work unit's start and end (``tail_pos < work_kv_start``); fixed for
+        the plan's life, as updates only insert entries right after tails.
+    tail_read : bool [N]
+        Nodes whose last token some work item reads.
     tree : DecodingTree
         The tree the plan was made for.
     """
@@ -104,10 +109,14 @@ class PlanHost:
     kv_slots: np.ndarray
     tail_pos: np.ndarray
     tail_node: np.ndarray
-    kv_node: np.ndarray | None
-    kv_pos: np.ndarray | None
+    mask_lo: np.ndarray | None
+    mask_hi: np.ndarray | None
+    mask_pos: np.ndarray | None
     work_kv_start: np.ndarray
     work_kv_end: np.ndarray
+    start_tails: np.ndarray
+    end_tails: np.ndarray
+    tail_read: np.ndarray
     tree: DecodingTree
 
 
@@ -136,6 +145,9 @@ class Plan:
         DeFT's bit causal mask in O(1) words per token for any number of queries.
     query_pos, query_prefix : int32 [Q] or None
     launches : tuple of Launch
+    every_query_planned : bool
+        Every query has at least one partial row, so the merge can be fused into the attention
+        launches (a query that sees no KV gets its zero output from the merge kernel).
     """
 
     strategy: str
@@ -161,6 +173,7 @@ class Plan:
     num_items: int
     reason: str = ""
     host: PlanHost | None = None
+    every_query_planned: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -202,16 +215,24 @@ def _choose_block_m(rows: np.ndarray, group: int) -> np.ndarray:
     return choices[np.minimum(idx, choices.size - 1)]
 
 
-def _pair_visibility(tree: DecodingTree, items: WorkItems) -> np.ndarray:
-    """int64 [nnz]: tokens of its item that each (item, query) pair sees."""
-    nseg = np.diff(items.seg_indptr)
-    q_item = np.repeat(np.arange(items.num_items), items.item_queries)
-    pair_seg = ranges(items.seg_indptr[q_item], items.seg_indptr[q_item + 1])
-    pair_q = np.repeat(items.q_indices, nseg[q_item])
-    owner = np.repeat(np.arange(q_item.size), nseg[q_item])
-    seen = tree.sees(items.seg_node[pair_seg], pair_q)
-    vis = np.clip(np.minimum(items.seg_hi[pair_seg], seen) - items.seg_lo[pair_seg], 0, None)
-    return np.bincount(owner, weights=vis, minlength=q_item.size).astype(np.int64)
+def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -> np.ndarray:
+    """int64 [nnz]: tokens of its item that each (item, query) pair sees (``q_item``: the item of
+    each pair)."""
+    nseg = np.diff(items.seg_indptr)[q_item]
+    one_seg = bool(np.all(nseg == 1))  # (the common case: one entry per pair)
+    pair_seg = items.seg_indptr[q_item] if one_seg else ranges(items.seg_indptr[q_item],
+                                                                 items.seg_indptr[q_item + 1])
+    pair_q = items.q_indices if one_seg else np.repeat(items.q_indices, nseg)
+    vis = np.minimum(items.seg_hi[pair_seg], tree.sees(items.seg_node[pair_seg], pair_q))
+    vis -= items.seg_lo[pair_seg]
+    np.maximum(vis, 0, out=vis)
+    if one_seg:
+        return vis
+    # sum over each pair's segments (pairs are in order, each with nseg consecutive entries)
+    csum = np.zeros(vis.size + 1, dtype=np.int64)
+    np.cumsum(vis, out=csum[1:])
+    end = np.cumsum(nseg)
+    return csum[end] - csum[end - nseg]
 
 
 #: KV-tile launch configs (block_n, num_warps, num_stages), picked per item by KV length (PAT's
@@ -229,6 +250,47 @@ def _choose_kv_tile(length: np.ndarray, head_dim: int) -> np.ndarray:
     return np.where((length <= SHORT_ITEM_TOKENS)[:, None], np.array(TILE_SHORT), np.array(long_cfg))
 
 
+#: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
+#: keeping the pointer alignment the kernels are specialised for.
+_ALIGN = 16
+#: Mean segment length from which the KV slot list is copied segment by segment.
+_SLICE_MIN_TOKENS = 256
+
+
+def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
+    """int32 tensors on ``device`` for the arrays (``None`` stays ``None``) and their int32 host
+    copies, which CPU tensors share; other devices get them in one copy of one buffer."""
+    device = torch.device(device)
+    tensors = dict.fromkeys(arrays)
+    if device.type == "cpu":
+        host = {k: np.ascontiguousarray(a, dtype=np.int32) for k, a in arrays.items() if a is not None}
+        tensors.update((k, torch.from_numpy(h)) for k, h in host.items())
+        return tensors, host
+    spans, at = {}, 0
+    for k, a in arrays.items():
+        if a is not None:
+            spans[k] = (at, at + a.size)
+            at += -(-a.size // _ALIGN) * _ALIGN
+    buf = np.empty(at, dtype=np.int32)
+    host = {}
+    for k, (lo, hi) in spans.items():
+        buf[lo:hi] = arrays[k]
+        host[k] = buf[lo:hi]
+    dev = torch.from_numpy(buf).to(device)
+    tensors.update((k, dev[lo:hi]) for k, (lo, hi) in spans.items())
+    return tensors, host
+
+
+def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """int32: ``tree.kv_indices[start:start + count]`` of every segment, concatenated."""
+    if count.size * _SLICE_MIN_TOKENS <= count.sum():
+        # long segments: slice copies are cheaper than a per-token index array
+        kv = tree.kv_indices
+        return np.concatenate([kv[a:b] for a, b in zip(start.tolist(), (start + count).tolist())]
+                              + [np.zeros(0, np.int64)], dtype=np.int32)
+    return tree.kv_indices[ranges(start, start + count)].astype(np.int32)
+
+
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
                device="cpu", reason: str = "", requested_strategy: str | None = None) -> Plan:
     """Lower planner work items to a :class:`Plan`.
@@ -243,9 +305,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # such pairs are dropped, then items without tokens or queries.
     if np.any(items.seg_hi < items.seg_lo):
         raise ValueError("planner produced a segment with negative length")
-    vis = _pair_visibility(tree, items)
     length = items.item_len
     q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+    vis = _pair_visibility(tree, items, q_item) if items.q_tokens is None else items.q_tokens
     keep_pair = vis > 0
     if not keep_pair.all():
         counts = np.bincount(q_item[keep_pair], minlength=items.num_items)
@@ -256,53 +318,58 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     nq = items.item_queries
     needs_mask = bool(np.any(vis < length[q_item]))
     keep = np.flatnonzero((length > 0) & (nq > 0))
-    if keep.size != items.num_items:
-        items = items.take(keep)
-        length, nq = length[keep], nq[keep]
-    n_items = items.num_items
+    length, nq = length[keep], nq[keep]
     # -- query tiles: PAT round-up, split only beyond the largest tile
-    rows = nq * group
-    block_m = _choose_block_m(rows, group)
-    q_per_tile = np.maximum(block_m // group, 1)
-    tiles = -(-nq // q_per_tile)
+    block_m = _choose_block_m(nq * group, group)
     kv_tile = _choose_kv_tile(length, heads.head_dim)
     # launch order: by tile shape (one launch per shape), longest items first inside a launch so
     # the long programs start early (less tail)
     order = np.lexsort((-length, kv_tile[:, 0], block_m))
-    items = items.take(order)
-    length, nq, block_m, q_per_tile, tiles, kv_tile = (
-        a[order] for a in (length, nq, block_m, q_per_tile, tiles, kv_tile))
+    items = items.take(keep[order])
+    length, nq, block_m, kv_tile = length[order], nq[order], block_m[order], kv_tile[order]
+    n_items = items.num_items
+    q_per_tile = np.maximum(block_m // group, 1)
+    tiles = -(-nq // q_per_tile)
     # KV slots, item after item
-    seg_len = items.seg_hi - items.seg_lo
-    seg_src = tree.kv_indptr[items.seg_node] + items.seg_lo
-    tok = ranges(seg_src, seg_src + seg_len)
-    kv_indices = tree.kv_indices[tok]
-    kv_node = np.repeat(items.seg_node, seg_len)
-    kv_pos = tok - tree.kv_indptr[kv_node]
-    tail = np.flatnonzero(kv_pos == tree.lengths[kv_node] - 1)
+    seg_node, seg_lo, seg_hi = items.seg_node, items.seg_lo, items.seg_hi
+    seg_len = seg_hi - seg_lo
+    seg_src = tree.kv_indptr[seg_node] + seg_lo
+    kv_indices = _gather_slots(tree, seg_src, seg_len)
+    # entries holding the last token of their node: at most one per segment
+    node_len = tree.lengths[seg_node]
+    at_tail = (seg_lo < node_len) & (node_len <= seg_hi)
+    tail = (np.cumsum(seg_len) - seg_len + node_len - 1 - seg_lo)[at_tail]
     item_kv_start = np.concatenate(([0], np.cumsum(length)))[:-1]
     # work units = query tiles
     w_item = np.repeat(np.arange(n_items), tiles)
-    w_tile = ranges(np.zeros(n_items, np.int64), tiles)
+    w_first = np.cumsum(tiles) - tiles
+    w_tile = np.arange(w_item.size) - w_first[w_item]
     w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
     work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
+    work_kv_start = item_kv_start[w_item]
+    work_kv_end = work_kv_start + length[w_item]
     row_q = items.q_indices  # tiles of an item take its queries in order, so rows == item queries
-    merge_order = np.argsort(row_q, kind="stable")
+    merge_order = group_order(row_q, tree.num_queries)
+    if merge_order is None:
+        merge_order = np.arange(row_q.size)
     merge_indptr = np.concatenate(([0], np.cumsum(np.bincount(row_q, minlength=tree.num_queries))))
-    # launches: one per (block_m, kv tile) shape; work units are already grouped by shape
-    shape = np.column_stack((block_m[w_item], kv_tile[w_item]))
-    bounds = np.flatnonzero(np.any(np.diff(shape, axis=0) != 0, axis=1)) + 1
-    launches = [Launch(int(shape[a, 0]), int(shape[a, 1]), int(a), int(b), int(shape[a, 2]), int(shape[a, 3]))
-                for a, b in zip(np.concatenate(([0], bounds)), np.concatenate((bounds, [shape.shape[0]])))
-                if b > a]
+    # launches: one per (block_m, kv tile) shape; items (so work units) are grouped by shape
+    shape = np.column_stack((block_m, kv_tile))
+    bounds = np.flatnonzero(np.any(shape[1:] != shape[:-1], axis=1)) + 1
+    first = np.concatenate(([0], bounds)).tolist()
+    w_bounds = np.concatenate((w_first, [w_item.size]))
+    launches = tuple(Launch(*shape[a, :2].tolist(), int(w_bounds[a]), int(w_bounds[b]), *shape[a, 2:].tolist())
+                     for a, b in zip(first, first[1:] + [n_items]) if w_bounds[b] > w_bounds[a])
     # tree mask
     mask = [None] * 5
     if needs_mask:
-        mask = [topo.tin[kv_node], topo.tout[kv_node], kv_pos, topo.tin[tree.query_nodes], tree.query_prefix]
+        kv_node = np.repeat(seg_node, seg_len)
+        mask = [topo.tin[kv_node], topo.tout[kv_node], ranges(seg_lo, seg_hi),
+                topo.tin[tree.query_nodes], tree.query_prefix]
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(length.sum())
-    kv_tok_tiles = int((length[w_item]).sum())
+    kv_tok_tiles = int((length * tiles).sum())
     io = PlanIO(
         kv=kv_tok * hkv * d * 2 * eb,
         kv_tile_rereads=(kv_tok_tiles - kv_tok) * hkv * d * 2 * eb,
@@ -313,24 +380,29 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
-
-    def i32(a):
-        return np.ascontiguousarray(a, dtype=np.int32)
-
-    def t(a):
-        return None if a is None else torch.from_numpy(i32(a)).to(device)
-
+    t, h = _to_tensors({
+        "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
+        "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
+        "merge_indices": merge_order, "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
+        "query_pos": mask[3], "query_prefix": mask[4]}, device)
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
+    tail_node = seg_node[at_tail]
+    tail_read = np.zeros(tree.num_nodes, dtype=bool)
+    tail_read[tail_node] = True
     return Plan(
-        strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads, num_queries=tree.num_queries, page_size=tree.page_size,
-        min_slots=min_slots, kv_indices=t(kv_indices),
-        work_kv_start=t(item_kv_start[w_item]), work_kv_end=t(item_kv_start[w_item] + length[w_item]),
-        work_row_indptr=t(work_row_indptr), row_q_indices=t(row_q), merge_indptr=t(merge_indptr),
-        merge_indices=t(merge_order), mask_lo=t(mask[0]), mask_hi=t(mask[1]), mask_pos=t(mask[2]),
-        query_pos=t(mask[3]), query_prefix=t(mask[4]), launches=tuple(launches), io=io,
-        num_items=n_items, reason=reason,
-        host=PlanHost(kv_slots=i32(kv_indices), tail_pos=i32(tail), tail_node=i32(kv_node[tail]),
-                      kv_node=i32(kv_node) if needs_mask else None, kv_pos=i32(kv_pos) if needs_mask else None,
-                      work_kv_start=i32(item_kv_start[w_item]),
-                      work_kv_end=i32(item_kv_start[w_item] + length[w_item]), tree=tree),
+        strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
+        num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
+        kv_indices=t["kv_indices"], work_kv_start=t["work_kv_start"], work_kv_end=t["work_kv_end"],
+        work_row_indptr=t["work_row_indptr"], row_q_indices=t["row_q_indices"],
+        merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], mask_lo=t["mask_lo"],
+        mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
+        query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
+        every_query_planned=bool(np.all(merge_indptr[1:] > merge_indptr[:-1])),
+        host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
+                      tail_node=tail_node.astype(np.int32), mask_lo=h.get("mask_lo"),
+                      mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),
+                      work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
+                      start_tails=np.searchsorted(tail, work_kv_start).astype(np.int32),
+                      end_tails=np.searchsorted(tail, work_kv_end).astype(np.int32),
+                      tail_read=tail_read, tree=tree),
     )

@@ -16,9 +16,9 @@ from treeattn.tree import DecodingTree
 
 def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     q, node, visible = tree.visible_pairs
-    items = items_from_groups(q, node, np.zeros_like(node), visible, np.arange(tree.num_queries),
-                              np.arange(tree.num_queries), tree.num_queries)
     path = tree.visible_tokens
+    items = items_from_groups(q, node, np.zeros_like(node), visible, np.arange(tree.num_queries),
+                              np.arange(tree.num_queries), tree.num_queries, q_tokens=path)
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
     max_len = max(cost.min_split_tokens, -(-int(path.max()) // splits))
     return split_long_items(items, max_len), f"sequence: KV split at {max_len} tokens"

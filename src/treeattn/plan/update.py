@@ -4,8 +4,8 @@ planned (typically every leaf gains one token), patch the plan instead of planni
 Each grown node's new slots are spliced in right after every planned copy of its old last token,
 so they join the work items that already read that node's tail (with the same queries, which now
 see them too), and every work range is shifted by the tokens inserted before it. The structure
-(items, query tiles, merge map, launches) is kept. Work is O(leaves) plus a few passes over the
-planned KV list; no per-entry gathers.
+(items, query tiles, merge map, launches) is kept. Work is O(leaves + work units) plus one copy
+of the planned KV list (and of the tree mask, when the plan has one).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from treeattn.plan.plan import Plan, PlanHost
+from treeattn.plan.plan import Plan
 from treeattn.tree import DecodingTree, ranges
 
 __all__ = ["update_plan"]
@@ -31,7 +31,7 @@ def _grown(plan: Plan, tree: DecodingTree) -> np.ndarray | None:
     if not (np.array_equal(tree.parents, old.parents) and np.array_equal(tree.query_nodes, old.query_nodes)):
         return None
     grown = tree.lengths - old.lengths
-    if np.any(grown < 0):
+    if grown.min() < 0:
         return None
     qn = old.query_nodes
     saw_all = old.query_prefix == old.lengths[qn]
@@ -39,9 +39,9 @@ def _grown(plan: Plan, tree: DecodingTree) -> np.ndarray | None:
     if not np.array_equal(tree.query_prefix, expect):
         return None
     nodes = np.flatnonzero(grown)
-    new_tokens = np.ones(tree.num_tokens, dtype=bool)
-    new_tokens[ranges(tree.kv_indptr[nodes] + old.lengths[nodes], tree.kv_indptr[nodes + 1])] = False
-    if not np.array_equal(tree.kv_indices[new_tokens], old.kv_indices):
+    old_tokens = np.ones(tree.num_tokens, dtype=bool)
+    old_tokens[ranges(tree.kv_indptr[nodes] + old.lengths[nodes], tree.kv_indptr[nodes + 1])] = False
+    if not np.array_equal(tree.kv_indices[old_tokens], old.kv_indices):
         return None
     return grown
 
@@ -60,55 +60,57 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     if not grown.any():
         return plan
     h = plan.host
-    sel = grown[h.tail_node] > 0
-    tails, tail_node = h.tail_pos[sel], h.tail_node[sel]
-    if np.any(np.bincount(tail_node, minlength=grown.size)[grown > 0] == 0):
+    if np.any(grown[~h.tail_read]):
         return None  # a grown node whose tail no item reads: plan again
-    counts = grown[tail_node].astype(np.int32)
-    # the new list repeats each grown tail entry 1 + count times; the copies become the new tokens
-    reps = np.ones(h.kv_slots.size, dtype=np.int32)
-    reps[tails] += counts
-    kv_slots = np.repeat(h.kv_slots, reps)
-    shift = np.zeros(h.kv_slots.size + 1, dtype=np.int32)
-    shift[tails + 1] = counts
-    np.cumsum(shift, out=shift)
-    offset = ranges(np.ones(tails.size, np.int64), counts + 1)  # 1..count for each tail
-    new_at = np.repeat(tails + shift[tails], counts) + offset
-    new_node = np.repeat(tail_node, counts)
+    counts = grown[h.tail_node]  # tokens appended after each planned tail (0: not grown)
+    inserted = np.zeros(counts.size + 1, dtype=np.int64)  # inserted[k]: after tails[:k]
+    np.cumsum(counts, out=inserted[1:])
+    added = int(inserted[-1])
+    # new entry j of tail k goes to tail_pos[k] + inserted[k] + 1 + j, the old entries fill the rest
+    src = np.repeat(np.arange(counts.size), counts)  # the tail of each new entry
+    offset = np.arange(1, added + 1) - inserted[src]  # 1..count for each tail
+    new_at = (h.tail_pos + inserted[:-1])[src] + offset
+    keep_old = np.ones(h.kv_slots.size + added, dtype=bool)
+    keep_old[new_at] = False
+
+    def splice(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        out = np.empty(keep_old.size, dtype=old.dtype)
+        out[keep_old] = old
+        out[new_at] = new
+        return out
+
+    new_node = h.tail_node[src]
     new_pos = h.tree.lengths[new_node] + offset - 1
-    kv_slots[new_at] = tree.kv_indices[tree.kv_indptr[new_node] + new_pos]
-    # a range [s, e) moves by the tokens inserted at positions <= s (tails of earlier ranges) and
-    # its end also by those after its own last entry
-    start = h.work_kv_start + shift[h.work_kv_start]
-    end = h.work_kv_end + shift[h.work_kv_end]
-    # old tails move; grown ones now end at their last new token
-    tail_pos = h.tail_pos + shift[h.tail_pos]
-    tail_pos[sel] += counts
-    kv_node = kv_pos = None
-    device = plan.device
-
-    def t(a):
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device, non_blocking=True)
-
-    changes = dict(kv_indices=t(kv_slots), work_kv_start=t(start), work_kv_end=t(end),
-                   min_slots=max(plan.min_slots, int(kv_slots[new_at].max()) + 1))
+    new_slots = tree.kv_indices[tree.kv_indptr[new_node] + new_pos]
+    # a range [s, e) moves by the tokens inserted after the tails before s (its end: before e)
+    arrays = {"kv_indices": splice(h.kv_slots, new_slots),
+              "work_kv_start": h.work_kv_start + inserted[h.start_tails],
+              "work_kv_end": h.work_kv_end + inserted[h.end_tails]}
     if plan.has_mask:
-        kv_node = np.repeat(h.kv_node, reps)
-        kv_pos = np.repeat(h.kv_pos, reps)
-        kv_pos[new_at] = new_pos
-        topo = tree.topology
-        changes.update(mask_lo=t(topo.tin[kv_node]), mask_hi=t(topo.tout[kv_node]), mask_pos=t(kv_pos),
-                       query_prefix=t(tree.query_prefix))
+        # tin/tout depend on the parents only, so new entries copy their tail's mask range
+        for name in ("mask_lo", "mask_hi"):
+            old = getattr(h, name)
+            arrays[name] = splice(old, old[h.tail_pos[src]])
+        arrays["mask_pos"] = splice(h.mask_pos, new_pos)
+        arrays["query_prefix"] = tree.query_prefix
+    device = plan.device
+    host = {k: np.ascontiguousarray(a, dtype=np.int32) for k, a in arrays.items()}
+    t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
+    if device.type != "cpu":
+        t = {k: a.to(device, non_blocking=True) for k, a in t.items()}
     heads = plan.heads
     per_token = heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
-    added = int(counts.sum())
-    added_tiles = int((end - start).sum()) - int((h.work_kv_end - h.work_kv_start).sum())
+    added_tiles = int((arrays["work_kv_end"] - arrays["work_kv_start"]).sum()) - \
+        int((h.work_kv_end - h.work_kv_start).sum())
     io = plan.io
-    changes["io"] = dataclasses.replace(
+    t["io"] = dataclasses.replace(
         io, kv=io.kv + added * per_token,
         kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
         index=io.index + added_tiles * 4 * heads.num_kv_heads,
         mask=io.mask + (added_tiles * 12 * heads.num_kv_heads if plan.has_mask else 0))
-    changes["host"] = PlanHost(kv_slots=kv_slots, tail_pos=tail_pos, tail_node=h.tail_node, kv_node=kv_node,
-                               kv_pos=kv_pos, work_kv_start=start, work_kv_end=end, tree=tree)
-    return dataclasses.replace(plan, **changes)
+    t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
+    t["host"] = dataclasses.replace(
+        h, kv_slots=host["kv_indices"], tail_pos=(h.tail_pos + inserted[1:]).astype(np.int32),
+        mask_lo=host.get("mask_lo"), mask_hi=host.get("mask_hi"), mask_pos=host.get("mask_pos"),
+        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"], tree=tree)
+    return dataclasses.replace(plan, **t)

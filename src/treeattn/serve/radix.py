@@ -92,11 +92,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insertion
     def insert(self, tokens) -> int:
-        """Prefill ``tokens`` below their longest cached prefix, as new cached blocks, and return
-        the node of the last token (its logits are the engine's for that node).
+        """Prefill ``tokens`` below their longest cached prefix, as new cached blocks (one
+        forward pass, :meth:`TreeEngine.prefill_chain`), and return the node of the last token
+        (its logits are the engine's for that node).
 
-        Raises :class:`treeattn.KVPoolOutOfMemory` when the pool fills up; the blocks prefilled
-        so far stay cached (unreferenced).
+        Raises :class:`treeattn.KVPoolOutOfMemory` when the pool fills up; nothing new is then
+        cached.
         """
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
@@ -104,29 +105,21 @@ class PrefixCache:
         node, at = self.match(ids)
         self.hit_tokens += at
         self.miss_tokens += ids.size - at
-        eng, tree = self.engine, self.engine.tree
-        fresh = False                        # node was made here (not another request's anchor)
-        while at < ids.size:
-            chunk = ids[at: at + self.block - at % self.block]
-            new = tree.add_root() if node is None else tree.add_children(node, 1)[0]
-            try:
-                eng.prefill(new, chunk)
-            except (KVPoolOutOfMemory, ValueError):
-                tree.prune(new, cascade=False)
-                if fresh:
-                    eng.forget_logits(node)
-                if node is not None:
-                    self._evictable(node)
-                raise
-            if fresh:
-                eng.forget_logits(node)
-            self._run[new] = tuple(chunk.tolist())
-            self._kids.setdefault(node, {})[self._run[new]] = new
-            self._kids[new] = {}
-            self._parent[new] = node
-            self._touch(new)
-            node, at, fresh = new, at + chunk.size, True
-        return node
+        cuts = list(range(at - at % self.block + self.block, ids.size, self.block))
+        chunks = np.split(ids[at:], [c - at for c in cuts])
+        try:
+            new = self.engine.prefill_chain(node, chunks)
+        except (KVPoolOutOfMemory, ValueError):
+            if node is not None:
+                self._evictable(node)
+            raise
+        for parent, child, chunk in zip([node] + new[:-1], new, chunks):
+            self._run[child] = tuple(chunk.tolist())
+            self._kids.setdefault(parent, {})[self._run[child]] = child
+            self._kids[child] = {}
+            self._parent[child] = parent
+            self._touch(child)
+        return new[-1]
 
     def release(self, node: int) -> None:
         """The request whose sequences hung below ``node`` (a node :meth:`insert` returned to it)
