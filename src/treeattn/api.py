@@ -63,7 +63,6 @@ class TreeAttention:
         self.cost = cost or CostModel()
         self._workspace = workspace
         self._owns_workspace = workspace is None
-        self._counters = None
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:
@@ -78,18 +77,7 @@ class TreeAttention:
                 raise ValueError(f"workspace holds {self._workspace.numel()} floats but this plan needs "
                                  f"{need}")
             self._workspace = torch.empty(max(need, 1), dtype=torch.float32, device=self.device)
-        self._merge_counters(plan)
         return plan
-
-    def _merge_counters(self, plan: Plan) -> torch.Tensor:
-        """int32 arrival counters of the fused merge, one per (query, head): zeroed when
-        (re)allocated and left zero by every run. Allocated by :meth:`plan`; a plan made
-        elsewhere with more queries grows them in its first run (outside any CUDA graph
-        capture, as the workspace)."""
-        need = plan.num_queries * plan.heads.num_qo_heads
-        if self._counters is None or self._counters.numel() < need:
-            self._counters = torch.zeros(max(need, 1024), dtype=torch.int32, device=self.device)
-        return self._counters
 
     def update(self, plan: Plan, tree: DecodingTree) -> Plan:
         """``plan`` for ``tree`` after a decode step (PAT's lazy update).
@@ -158,12 +146,8 @@ class TreeAttention:
             rows = plan.num_rows
             o_part = self._workspace[: rows * hq * d].view(rows, hq, d)
             lse_part = self._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
-            if plan.every_query_planned:  # one launch per tile shape, merge included
-                partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                                  lse_out=lse, counters=self._merge_counters(plan))
-            else:  # queries that see no KV get their zeros from the merge kernel
-                partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale)
-                merge_partials(o_part, lse_part, plan.merge_indptr, plan.merge_indices, out, lse)
+            partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale)
+            merge_partials(o_part, lse_part, plan.merge_indptr, plan.merge_indices, out, lse)
         return (out, lse) if return_lse else out
 
 

@@ -64,16 +64,10 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
-                      o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
-                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                      counters: torch.Tensor | None = None) -> None:
+                      o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan``.
 
-    Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE). Given ``out
-    [Q, Hq, D]`` and ``counters`` (int32, at least ``Q * Hq``, all zero; left zero), the merge is
-    fused into the same launches and the result lands in ``out`` (and ``lse_out [Q, Hq]`` fp32
-    when given); every query must then have at least one partial row
-    (``plan.every_query_planned``).
+    Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE).
     """
     _check_triton_device(q)
     h = plan.heads
@@ -83,27 +77,20 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     mask_args = (plan.mask_lo, plan.mask_hi, plan.mask_pos, plan.query_pos, plan.query_prefix)
     if not plan.has_mask:
         mask_args = (plan.kv_indices,) * 5  # never read: HAS_MASK is off
-    fuse = out is not None
-    if fuse and (counters is None or counters.dtype != torch.int32
-                 or counters.numel() < plan.num_queries * h.num_qo_heads):
-        raise ValueError("a fused merge needs int32 counters for every (query, head)")
-    out_args = (out, lse_out if lse_out is not None else lse_part, counters) if fuse else (o_part, lse_part, o_part)
-    out_strides = (out.stride(0), out.stride(1), out_args[1].stride(0)) if fuse else (0, 0, 0)
     for launch in plan.launches:
         grid = (launch.work_end - launch.work_start, h.num_kv_heads)
         _tree_partial_attention_kernel[grid](
-            q, k_cache, v_cache, o_part, lse_part, *out_args,
+            q, k_cache, v_cache, o_part, lse_part,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
-            plan.row_q_indices, plan.merge_indptr, plan.merge_indices, *mask_args,
-            launch.work_start, sm_scale * LOG2E.value, h.num_qo_heads,
+            plan.row_q_indices, *mask_args,
+            launch.work_start, sm_scale * LOG2E.value,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            o_part.stride(0), o_part.stride(1), lse_part.stride(0), *out_strides,
+            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
             HAS_MASK=plan.has_mask, DOT_PRECISION=precision, UPCAST=upcast,
-            FUSE_MERGE=fuse, WRITE_LSE=lse_out is not None,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
 

@@ -145,9 +145,6 @@ class Plan:
         DeFT's bit causal mask in O(1) words per token for any number of queries.
     query_pos, query_prefix : int32 [Q] or None
     launches : tuple of Launch
-    every_query_planned : bool
-        Every query has at least one partial row, so the merge can be fused into the attention
-        launches (a query that sees no KV gets its zero output from the merge kernel).
     """
 
     strategy: str
@@ -173,7 +170,6 @@ class Plan:
     num_items: int
     reason: str = ""
     host: PlanHost | None = None
-    every_query_planned: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -397,7 +393,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], mask_lo=t["mask_lo"],
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
-        every_query_planned=bool(np.all(merge_indptr[1:] > merge_indptr[:-1])),
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node.astype(np.int32), mask_lo=h.get("mask_lo"),
                       mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),
