@@ -205,3 +205,10 @@ def test_prefill_rejects_token_ids_outside_the_vocabulary():
         engine.run(BeamSearchController([1, 10**6], num_beams=2, max_new_tokens=2))
     with pytest.raises(ValueError, match="out of the model's vocabulary"):
         engine.run(BeamSearchController([-3, 1], num_beams=2, max_new_tokens=2))
+
+
+def test_precompile_kernels_is_a_no_op_on_the_torch_backend():
+    from treeattn.engine import TreeEngine, TreeModel
+
+    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=256, backend="torch")
+    assert eng.precompile_kernels() == 0

@@ -137,3 +137,15 @@ def test_torch_backend_random_forests(strategy, tree, page_size, seed):
     plan = w.plan(paged, num_qo_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, strategy=strategy)
     assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-10
 
+
+
+def test_precompile_launches_every_variant():
+    """Serving warms Triton up front: every launch shape a plan can use, with and without the
+    tree mask, and every merge head-block, run once on dummy data."""
+    from treeattn.ops import precompile
+    from treeattn.plan.plan import HeadConfig, launch_shapes
+
+    heads = HeadConfig(8, 2, 16, torch.float32)
+    shapes = launch_shapes(heads)
+    assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
+    assert precompile(heads, page_size=16, device="cpu") == 2 * len(shapes) + 2 * 4  # head blocks 1, 2, 4, 8

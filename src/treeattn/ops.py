@@ -5,6 +5,7 @@ sequence of launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -12,9 +13,10 @@ import torch
 import triton
 
 from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
-from treeattn.plan.plan import Plan
+from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
-__all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials"]
+__all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
+           "precompile"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,6 +118,42 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_indptr: t
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
         num_warps=4,
     )
+
+
+def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
+    """Launch every partial-attention variant (query-tile height x KV tile x tree mask) and every
+    merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
+    now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
+
+    Returns the number of launches made.
+    """
+    from treeattn.plan import make_plan
+    from treeattn.tree import DecodingTree
+
+    hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype
+    kc = torch.randn(1, page_size, hkv, d, device=device).to(dt)
+    q = torch.randn(2, hq, d, device=device).to(dt)
+    launches = 0
+    for prefix in (2, 1):  # both queries see the node whole; then one sees a part: the tree mask
+        tree = DecodingTree.from_parents([-1], [2], query_nodes=[0, 0], query_prefix=[2, prefix],
+                                         page_size=page_size, num_slots=page_size)
+        plan = make_plan(tree, heads, strategy="node", device=device)
+        o_part = torch.empty(plan.num_rows, hq, d, device=device)
+        lse_part = torch.empty(plan.num_rows, hq, device=device)
+        for m, n, warps, stages in launch_shapes(heads):
+            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages),))
+            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5)
+            launches += 1
+    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
+    for block_h in (1 << k for k in range(cap.bit_length())):
+        n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
+        o_part, lse_part = torch.zeros(n, hq, d, device=device), torch.zeros(n, hq, device=device)
+        idx = torch.arange(n + 1, dtype=torch.int32, device=device)
+        out = torch.empty(n, hq, d, device=device, dtype=dt)
+        for lse in (None, torch.empty(n, hq, device=device)):
+            merge_partials(o_part, lse_part, idx, idx[:-1], out, lse)
+            launches += 1
+    return launches
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:

@@ -20,6 +20,7 @@ from treeattn.engine.graphs import DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
+from treeattn.ops import precompile
 
 __all__ = ["StepStats", "TreeEngine"]
 
@@ -379,6 +380,14 @@ class TreeEngine:
             return self.graphs.run(tokens, pos, slots, attend)
         d = self.device
         return self.model.decode(tokens, upload(pos, d), upload(slots, d), self.kv.caches, attend)
+
+    def precompile_kernels(self) -> int:
+        """Compile every attention-kernel variant this model's plans can use now (a server calls
+        it at start-up, so no request waits for Triton's JIT); returns the launches made, 0 with
+        the torch backend."""
+        if self.attention.backend != "triton":
+            return 0
+        return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device)
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each

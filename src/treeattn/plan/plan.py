@@ -10,7 +10,7 @@ import torch
 from treeattn.plan.items import WorkItems, group_order
 from treeattn.tree import DecodingTree, ranges
 
-__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "build_plan"]
+__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "build_plan", "launch_shapes"]
 
 #: Query-tile heights (rows = queries x GQA group) the kernel is compiled for; an item takes the
 #: smallest that holds all its rows (PAT's round-up rule), else it is split into several tiles.
@@ -205,8 +205,12 @@ class Plan:
         return "\n".join(lines)
 
 
+def _block_m_choices(group: int) -> list:
+    return [m for m in BLOCK_M_CHOICES if m >= group] or [1 << (group - 1).bit_length()]
+
+
 def _choose_block_m(rows: np.ndarray, group: int) -> np.ndarray:
-    choices = np.array([m for m in BLOCK_M_CHOICES if m >= group] or [1 << (group - 1).bit_length()])
+    choices = np.array(_block_m_choices(group))
     idx = np.searchsorted(choices, rows, side="left")
     return choices[np.minimum(idx, choices.size - 1)]
 
@@ -238,6 +242,12 @@ SHORT_ITEM_TOKENS = 48
 TILE_SHORT = (32, 4, 2)
 TILE_LONG = (64, 4, 3)
 TILE_LONG_HEAD256 = (32, 4, 2)
+
+
+def launch_shapes(heads: HeadConfig) -> list:
+    """Every ``(block_m, block_n, num_warps, num_stages)`` a plan for these heads can launch."""
+    tiles = sorted({TILE_SHORT, TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256})
+    return [(m, *t) for m in _block_m_choices(heads.group) for t in tiles]
 
 
 def _choose_kv_tile(length: np.ndarray, head_dim: int) -> np.ndarray:

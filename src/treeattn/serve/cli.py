@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 
 from treeattn import STRATEGIES
 from treeattn.engine.cli import add_model_args, load_model
@@ -76,6 +77,9 @@ def serve_command(args) -> int:
     limit = min(model.config.max_position_embeddings, args.kv_tokens)
     max_len = min(args.max_model_len, limit) if args.max_model_len else limit
     name = args.served_model_name or args.model or args.random_weights
+    t0 = time.perf_counter()
+    if engine.precompile_kernels():
+        log.info("compiled the attention kernels in %.1f s", time.perf_counter() - t0)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
                           block_tokens=args.prefix_block)
     log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
