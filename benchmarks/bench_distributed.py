@@ -50,6 +50,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from treeattn import TreeAttention
+from treeattn.bench.timing import capture_graph
 from treeattn.distributed import (
     CommStats,
     ShardedAttention,
@@ -168,21 +169,6 @@ class Timer:
         med = statistics.median(times)
         return {"ms": self._agree_max(med, collective), "ms_this_rank": med, "reps": reps,
                 "ms_min": min(times)}
-
-
-def capture_graph(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one call of ``fn`` (collectives included: every rank captures together),
-    after a warm-up call on the capture's side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def timed(timer: Timer, fn, *, collective: bool, graph: bool) -> dict:
@@ -531,26 +517,29 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
+def launch(worker, args, world_size: int) -> None:
+    """Run ``worker(args)`` on every rank: in this process under torchrun, else in
+    ``world_size`` spawned processes (NCCL multicast off, as :data:`NCCL_ENV` says)."""
+    for key, value in NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        worker(args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(world_size, port, worker, args), nprocs=world_size)
+
+
+def _spawned(rank: int, world: int, port: int, worker, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     worker(args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
-    for key, value in NCCL_ENV.items():
-        os.environ.setdefault(key, value)
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        worker(args)
-    else:
-        mp.spawn(_spawned, args=(args.world_size, _free_port(), args), nprocs=args.world_size)
+    launch(worker, args, args.world_size)
     return 0
 
 

@@ -34,7 +34,7 @@ try:
     import treeattn  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from treeattn.bench.timing import copy_bandwidth, provenance
+from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance
 from treeattn.engine.config import ModelConfig
 from treeattn.engine.model import TreeModel
 
@@ -56,20 +56,6 @@ def parse_args(argv=None):
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn()`` after a warm-up run on a side stream (Triton compiles there)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def count_kernels(fn) -> int | None:
@@ -114,7 +100,7 @@ def measure(model: TreeModel, n: int, num_slots: int, gen: torch.Generator, rep:
         F.linear(x, w.gate_up, w.gate_up_bias)
         F.linear(a, w.down, w.down_bias)
 
-    row = {"gemm_only_graph_us": median_us(capture(gemms).replay, rep)}
+    row = {"gemm_only_graph_us": median_us(capture_graph(gemms).replay, rep)}
     outs = {}
     for mode in ("unfused", "fused"):
         model.fused = mode == "fused"
@@ -127,7 +113,7 @@ def measure(model: TreeModel, n: int, num_slots: int, gen: torch.Generator, rep:
             model.post_attention(0, h0, o, out=h1)
             model.pre_attention(0, h1, pos, slots, caches, q_out=q)
 
-        graph = capture(segment)
+        graph = capture_graph(segment)
         row[f"{mode}_graph_us"] = median_us(graph.replay, rep)
         with torch.no_grad():
             row[f"{mode}_eager_us"] = median_us(segment, rep)

@@ -29,26 +29,24 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 try:
     import treeattn  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from bench_distributed import NCCL_ENV, launch  # the sibling script (same folder)
 from treeattn import TreeAttention
 from treeattn.distributed import ShardedAttention, plan_sequence_shard, run_local
 from treeattn.engine.config import ModelConfig
 from treeattn.engine.model import TreeModel
 
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 K = 1024
 
 
@@ -242,23 +240,11 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    worker(args)
-
-
 def main(argv=None) -> int:
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        worker(args)
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(args.world_size, port, args), nprocs=args.world_size)
+    launch(worker, args, args.world_size)
     return 0
 
 

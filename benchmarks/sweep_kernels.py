@@ -13,7 +13,7 @@ import torch
 import triton
 
 from treeattn import TreeAttention
-from treeattn.bench.timing import copy_bandwidth, provenance, roofline_us
+from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance, roofline_us
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.plan import CostModel
 from treeattn.workloads import tree_from_spec
@@ -26,14 +26,7 @@ CONFIGS = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8,
 
 def graph_us(fn) -> float:
     fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     return triton.testing.do_bench(g.replay, return_mode="median", warmup=10, rep=40) * 1e3
 
 

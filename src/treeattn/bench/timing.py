@@ -49,15 +49,24 @@ def time_run(wrapper, plan, q, k_cache, v_cache, out) -> tuple[float, float]:
 
 
 def capture(wrapper, plan, q, k_cache, v_cache, out) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one ``run`` into ``out`` (after a warm-up on a side stream)."""
+    """A CUDA graph of one ``run`` into ``out``."""
+    return capture_graph(lambda: wrapper.run(q, k_cache, v_cache, plan, out=out))
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn`` (without autograd), after a warm-up call on the
+    capture's side stream. Collectives inside ``fn`` are captured too: every rank captures
+    together."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        wrapper.run(q, k_cache, v_cache, plan, out=out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        wrapper.run(q, k_cache, v_cache, plan, out=out)
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.synchronize()
     return graph
 
 

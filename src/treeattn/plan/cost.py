@@ -16,13 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from treeattn.plan.plan import (
-    BLOCK_M_CHOICES,
     SHORT_ITEM_TOKENS,
     TILE_LONG,
     TILE_LONG_HEAD256,
     TILE_SHORT,
     HeadConfig,
-    _choose_block_m,
+    _block_m_choices,
 )
 
 __all__ = ["CostModel", "launch_features"]
@@ -51,7 +50,7 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
 def _tile_tables(group: int, head_dim: int) -> tuple:
     """Query-tile heights a GQA group may use and the queries each holds; the short and long KV
     tile and whether they are different launch configs."""
-    block_m = np.unique(_choose_block_m(np.array([*BLOCK_M_CHOICES, group]), group))
+    block_m = np.array(_block_m_choices(group))
     long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
     return block_m, np.maximum(block_m // group, 1), TILE_SHORT[0], long_cfg[0], long_cfg != TILE_SHORT
 
