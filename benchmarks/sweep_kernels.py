@@ -56,8 +56,9 @@ def main():
                 rows = plan.num_rows
                 o_part = w._workspace[: rows * hq * d].view(rows, hq, d)
                 l_part = w._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
-                att = lambda: partial_attention(q, k, v, plan, o_part, l_part, sm_scale=d ** -0.5)
-                mrg = lambda: merge_partials(o_part, l_part, plan.merge_indptr, plan.merge_indices, out, None)
+                att = lambda: partial_attention(q, k, v, plan, o_part, l_part, sm_scale=d ** -0.5, out=out)
+                mrg = lambda: merge_partials(o_part, l_part, plan.merge_q_indices, plan.merge_indptr,
+                                             plan.merge_indices, out, None)
                 return att, mrg
 
             if "split" in parts:

@@ -148,4 +148,32 @@ def test_precompile_launches_every_variant():
     heads = HeadConfig(8, 2, 16, torch.float32)
     shapes = launch_shapes(heads)
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
-    assert precompile(heads, page_size=16, device="cpu") == 2 * len(shapes) + 2 * 4  # head blocks 1, 2, 4, 8
+    # x2 for the direct-output variant; merge head blocks 1, 2, 4, 8 with and without LSE
+    assert precompile(heads, page_size=16, device="cpu") == 2 * 2 * len(shapes) + 2 * 4
+
+
+@pytest.mark.parametrize("strategy,spec", [("sequence", "1,3_9,5"), ("flatten", "1,3_600,5"),
+                                           ("greedy", None)])
+def test_single_row_queries_skip_the_merge(rng, strategy, spec):
+    """A query's only partial row is written to ``out``/``lse`` by the attention kernel; only
+    queries with several rows go through the workspace and the merge. Poisoned workspace rows
+    of direct queries must not leak into the output."""
+    # (a fixed random forest with queries on inner nodes: some queries see one item, some more)
+    tree = tree_from_spec(spec) if spec else random_tree(np.random.default_rng(0), 20, 20, roots=2,
+                                                         inner_queries=True)
+    q, k, v = (torch.randn(n, h, 32) for n, h in ((tree.num_queries, 4), (tree.num_tokens, 2),
+                                                   (tree.num_tokens, 2)))
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                  strategy=strategy)
+    w._workspace.fill_(float("nan"))
+    out, lse = w.run(q, k[:, None], v[:, None], plan, return_lse=True)
+    o_ref, lse_ref = reference_attention(q, k[:, None], v[:, None], tree)
+    assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
+    merged = plan.merge_q_indices.numel()
+    if strategy == "sequence":  # one row per query: no merge launch at all
+        assert plan.num_direct == tree.num_queries and merged == 0
+    elif strategy == "flatten":  # the long leaves are split: every query merged
+        assert plan.num_direct == 0 and merged == tree.num_queries
+    else:  # queries on inner nodes see one item, the others several
+        assert plan.num_direct > 0 and merged > 0

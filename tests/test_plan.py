@@ -38,6 +38,11 @@ def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
         assert kv_bytes(seen_by_someone, heads) <= plan.io.kv <= kv_bytes(int(tree.visible_tokens.sum()), heads)
     merge_counts = np.diff(plan.merge_indptr.numpy())
     assert merge_counts.min() >= 1 and merge_counts.sum() == plan.num_rows
+    # a query's only row is written by the attention kernel, the others are merged
+    direct = merge_counts == 1
+    assert np.array_equal(plan.row_direct.numpy(), direct[plan.row_q_indices.numpy()])
+    assert np.array_equal(plan.merge_q_indices.numpy(), np.flatnonzero(~direct))
+    assert plan.num_direct == int(direct.sum())
     assert plan.work_kv_start.dtype == torch.int32
     bounds = [(l.work_start, l.work_end) for l in plan.launches]
     assert bounds[0][0] == 0 and bounds[-1][1] == plan.num_work
@@ -82,7 +87,7 @@ def test_plans_are_deterministic_and_pure(rng, strategy):
     a = make_plan(tree, HEADS, strategy=strategy)
     b = make_plan(tree, HEADS, strategy=strategy)
     for name in ("kv_indices", "work_kv_start", "work_kv_end", "work_row_indptr", "row_q_indices",
-                 "merge_indptr", "merge_indices"):
+                 "merge_indptr", "merge_indices", "row_direct", "merge_q_indices"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     for k, v in before.items():
         assert np.array_equal(getattr(tree, k), v), f"planner mutated tree.{k}"

@@ -146,8 +146,10 @@ class TreeAttention:
             rows = plan.num_rows
             o_part = self._workspace[: rows * hq * d].view(rows, hq, d)
             lse_part = self._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
-            partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale)
-            merge_partials(o_part, lse_part, plan.merge_indptr, plan.merge_indices, out, lse)
+            partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
+                              lse_out=lse)
+            merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
+                           plan.merge_indices, out, lse)
         return (out, lse) if return_lse else out
 
 
@@ -224,5 +226,6 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, backend: str = "auto"):
         return merge_states_torch(o_rows, lse_rows, indptr, indices, out_dtype=o.dtype)
     out = torch.empty((n, h, d), dtype=o.dtype, device=o.device)
     lse_out = torch.empty((n, h), dtype=torch.float32, device=o.device)
-    merge_partials(o_rows.float().contiguous(), lse_rows.float().contiguous(), indptr, indices, out, lse_out)
+    merge_partials(o_rows.float().contiguous(), lse_rows.float().contiguous(),
+                   torch.arange(n, dtype=torch.int32, device=o.device), indptr, indices, out, lse_out)
     return out, lse_out

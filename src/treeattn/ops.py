@@ -6,6 +6,7 @@ sequence of launches can be captured in a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 
@@ -66,10 +67,13 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
-                      o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float) -> None:
+                      o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
+                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan``.
 
-    Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE).
+    Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE) of the rows
+    the merge reads. Queries with a single row (``plan.row_direct``) are written straight to
+    ``out [Q, Hq, D]`` (and ``lse_out [Q, Hq]`` fp32 when given), which must then be given.
     """
     _check_triton_device(q)
     h = plan.heads
@@ -79,29 +83,40 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     mask_args = (plan.mask_lo, plan.mask_hi, plan.mask_pos, plan.query_pos, plan.query_prefix)
     if not plan.has_mask:
         mask_args = (plan.kv_indices,) * 5  # never read: HAS_MASK is off
+    direct = plan.num_direct > 0
+    if direct and out is None:
+        raise ValueError("this plan writes single-row queries to the output: pass out=")
+    out_arg = out if out is not None else o_part  # never written without DIRECT
+    lse_arg = lse_out if lse_out is not None else lse_part
     for launch in plan.launches:
         grid = (launch.work_end - launch.work_start, h.num_kv_heads)
         _tree_partial_attention_kernel[grid](
-            q, k_cache, v_cache, o_part, lse_part,
+            q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
-            plan.row_q_indices, *mask_args,
+            plan.row_q_indices, plan.row_direct, *mask_args,
             launch.work_start, sm_scale * LOG2E.value,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+            out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
-            HAS_MASK=plan.has_mask, DOT_PRECISION=precision, UPCAST=upcast,
+            HAS_MASK=plan.has_mask, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
 
 
-def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_indptr: torch.Tensor,
-                   merge_indices: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
-    """Merge partial rows into ``out [N, H, D]`` (and ``lse_out [N, H]`` fp32 when given)."""
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
+                   merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
+                   lse_out: torch.Tensor | None) -> None:
+    """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
+    (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
+    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``."""
     _check_triton_device(o_part)
-    n, heads, d = out.shape
+    heads, d = out.shape[1:]
+    n = merge_q_indices.numel()
     if n == 0:
         return
     block_d = triton.next_power_of_2(d)
@@ -112,7 +127,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_indptr: t
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     _merge_states_kernel[grid](
-        o_part, lse_part, out, lse_arg, merge_indptr, merge_indices, heads,
+        o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
@@ -121,8 +136,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_indptr: t
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
-    """Launch every partial-attention variant (query-tile height x KV tile x tree mask) and every
-    merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
+    """Launch every partial-attention variant (query-tile height x KV tile x tree mask x direct
+    output) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
     now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
 
     Returns the number of launches made.
@@ -140,9 +155,11 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         plan = make_plan(tree, heads, strategy="node", device=device)
         o_part = torch.empty(plan.num_rows, hq, d, device=device)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
-        for m, n, warps, stages in launch_shapes(heads):
-            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages),))
-            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5)
+        out = torch.empty_like(q)
+        for (m, n, warps, stages), direct in itertools.product(launch_shapes(heads), (0, plan.num_direct)):
+            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages),),
+                                         num_direct=direct)
+            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1
     cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
     for block_h in (1 << k for k in range(cap.bit_length())):
@@ -151,7 +168,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         idx = torch.arange(n + 1, dtype=torch.int32, device=device)
         out = torch.empty(n, hq, d, device=device, dtype=dt)
         for lse in (None, torch.empty(n, hq, device=device)):
-            merge_partials(o_part, lse_part, idx, idx[:-1], out, lse)
+            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse)
             launches += 1
     return launches
 

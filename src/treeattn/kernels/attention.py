@@ -4,6 +4,7 @@ Layouts (validated by the launchers in :mod:`treeattn.ops`):
   q        [Q, Hq, D]                          (last dim contiguous)
   k, v     [num_pages, page_size, Hkv, D]      (last dim contiguous; any other strides)
   o_part   [R, Hq, D] fp32, lse_part [R, Hq] fp32 (natural log)
+  out      [Q, Hq, D] in q's dtype, lse_out [Q, Hq] fp32 (natural log)
 """
 import triton
 import triton.language as tl
@@ -14,22 +15,28 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _tree_partial_attention_kernel(
-    Q, K, V, O_part, LSE_part,
-    kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices,
+    Q, K, V, O_part, LSE_part, Out, LSE_out,
+    kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices, row_direct,
     mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
     work_offset, qk_scale,
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
+    stride_pn, stride_ph, stride_pln,
     stride_on, stride_oh, stride_ln,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = one query tile of one work item, for one KV head.
 
     The tile's rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head share
     every K/V tile this program loads: each KV byte is read once per work item.
+
+    With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
+    they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
+    all have one row needs no merge launch.
     """
     work = tl.program_id(0) + work_offset
     kv_head = tl.program_id(1)
@@ -98,23 +105,32 @@ def _tree_partial_attention_kernel(
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     rows = (row_start + q_local).to(tl.int64)
-    tl.store(O_part + rows[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :], o,
-             mask=row_valid[:, None] & d_valid[None, :])
-    tl.store(LSE_part + rows * stride_ln + head, lse, mask=row_valid)
+    to_part = row_valid
+    if DIRECT:
+        final = tl.load(row_direct + rows, mask=row_valid, other=0) != 0
+        to_part = row_valid & ~final
+        to_out = row_valid & final
+        tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(Out.dtype.element_ty), mask=to_out[:, None] & d_valid[None, :])
+        if WRITE_LSE:
+            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=to_out)
+    tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :], o,
+             mask=to_part[:, None] & d_valid[None, :])
+    tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
 
 
 @triton.jit
 def _merge_states_kernel(
-    O_part, LSE_part, Out, LSE_out, merge_indptr, merge_indices,
+    O_part, LSE_part, Out, LSE_out, merge_q_indices, merge_indptr, merge_indices,
     num_heads,
     stride_pn, stride_ph, stride_pln,
     stride_on, stride_oh, stride_ln,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """One program = one output row (query) x BLOCK_H heads: log-sum-exp merge of its partial
-    states, in the order of the merge map (deterministic)."""
-    n = tl.program_id(0).to(tl.int64)
+    """One program = one output row (query ``merge_q_indices[program]``) x BLOCK_H heads:
+    log-sum-exp merge of its partial states, in the order of the merge map (deterministic)."""
+    n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_valid = offs_h < num_heads

@@ -158,8 +158,8 @@ class CostModel:
         bandwidth for the unique KV (``kv_tokens``, default: every item token) and the partial
         rows written. The tree mask (``masked``) makes every KV tile ``1 + mask_cost`` times
         dearer. Merge: the longest chain of merge steps (``merge_rows_max``), no faster than
-        reading the partial rows and writing the output, plus a launch. ``num_queries`` defaults
-        to the rows.
+        reading the partial rows and writing the output, plus a launch; none when every query
+        has one row (the kernel writes the output). ``num_queries`` defaults to the rows.
         """
         length = np.asarray(item_len, dtype=np.int64)
         nq = np.asarray(item_queries, dtype=np.int64)
@@ -186,9 +186,12 @@ class CostModel:
             longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
                                    + 4.0 * block_m * block_n * d / self.program_flops) * mask
             attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s
-        partial_bytes = rows * hq * (d + 1) * 4
+        # every query with a single row: the attention kernel writes the output, no merge launch
+        direct = merge_rows_max <= 1 and rows == num_queries
+        partial_bytes = 0 if direct else rows * hq * (d + 1) * 4
         attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
-        merge = max(merge_rows_max * self.merge_step_s,
-                    (partial_bytes + num_queries * hq * d * eb) / self.bandwidth) + self.launch_overhead_s
+        merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
+                                       (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
+                                       ) + self.launch_overhead_s
         return {"attention": attn, "merge": merge, "launches": len(launches), "masked": bool(masked),
                 "total": attn + merge + self.fixed_overhead_s}

@@ -49,7 +49,8 @@ class PlanIO:
     ``kv`` counts each work item's KV once per KV head (what the planner decided);
     ``kv_tile_rereads`` the extra reads when an item's queries need several query tiles (these
     programs run side by side and mostly hit L2). ``partial`` is the fp32 partial outputs and LSEs
-    written by the attention kernel and read back by the merge.
+    written by the attention kernel and read back by the merge (rows of queries with more than
+    one; a query's only row goes straight to the output).
     """
 
     kv: int
@@ -137,6 +138,12 @@ class Plan:
     row_q_indices : int32 [R]
     merge_indptr, merge_indices : int32 [Q + 1], [R]
         Partial rows that make up each query's output (the merge map).
+    row_direct : int32 [R]
+        1 for the only row of its query: the attention kernel writes it to the output itself.
+    merge_q_indices : int32 [M]
+        The other queries (none, or several partial rows): the ones the merge kernel writes.
+    num_direct : int
+        Rows with ``row_direct`` set (host copy; 0 means the kernel writes no output).
     mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
         Tree mask, present when some query of an item sees only part of it: token ``t`` (at
         offset ``mask_pos`` of a node with pre-order range ``[mask_lo, mask_hi)``) is visible to
@@ -160,6 +167,9 @@ class Plan:
     row_q_indices: torch.Tensor
     merge_indptr: torch.Tensor
     merge_indices: torch.Tensor
+    row_direct: torch.Tensor
+    merge_q_indices: torch.Tensor
+    num_direct: int
     mask_lo: torch.Tensor | None
     mask_hi: torch.Tensor | None
     mask_pos: torch.Tensor | None
@@ -195,8 +205,9 @@ class Plan:
         """Why this plan: the strategy, its choice (for ``auto``) and its IO."""
         io = self.io
         lines = [f"strategy={self.strategy}: {self.num_items} work items -> {self.num_work} "
-                 f"query tiles in {len(self.launches)} launch(es), {self.num_rows} partial rows, "
-                 f"mask={'on' if self.has_mask else 'off'}",
+                 f"query tiles in {len(self.launches)} launch(es), {self.num_rows} rows "
+                 f"({self.num_direct} written directly, {self.merge_q_indices.numel()} queries "
+                 f"merged), mask={'on' if self.has_mask else 'off'}",
                  f"IO bytes: kv={io.kv:,} (+{io.kv_tile_rereads:,} query-tile re-reads) "
                  f"queries={io.queries:,} partials={io.partial_write + io.partial_read:,} "
                  f"mask={io.mask:,} index={io.index:,} output={io.output:,} total={io.total:,}"]
@@ -358,7 +369,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
-    merge_indptr = np.concatenate(([0], np.cumsum(np.bincount(row_q, minlength=tree.num_queries))))
+    q_rows = np.bincount(row_q, minlength=tree.num_queries)
+    merge_indptr = np.concatenate(([0], np.cumsum(q_rows)))
+    row_direct = q_rows[row_q] == 1
+    num_direct = int(np.count_nonzero(row_direct))
+    merge_q = np.flatnonzero(q_rows != 1)
     # launches: one per (block_m, kv tile) shape; items (so work units) are grouped by shape
     shape = np.column_stack((block_m, kv_tile))
     bounds = np.flatnonzero(np.any(shape[1:] != shape[:-1], axis=1)) + 1
@@ -380,8 +395,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         kv=kv_tok * hkv * d * 2 * eb,
         kv_tile_rereads=(kv_tok_tiles - kv_tok) * hkv * d * 2 * eb,
         queries=int(row_q.size) * hq * d * eb,
-        partial_write=int(row_q.size) * hq * (d + 1) * 4,
-        partial_read=int(row_q.size) * hq * (d + 1) * 4,
+        partial_write=(int(row_q.size) - num_direct) * hq * (d + 1) * 4,
+        partial_read=(int(row_q.size) - num_direct) * hq * (d + 1) * 4,
         mask=(kv_tok_tiles * 3 * 4 * hkv) if needs_mask else 0,
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
@@ -389,7 +404,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     t, h = _to_tensors({
         "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
-        "merge_indices": merge_order, "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
+        "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
+        "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
         "query_pos": mask[3], "query_prefix": mask[4]}, device)
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     tail_node = seg_node[at_tail]
@@ -400,7 +416,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
         kv_indices=t["kv_indices"], work_kv_start=t["work_kv_start"], work_kv_end=t["work_kv_end"],
         work_row_indptr=t["work_row_indptr"], row_q_indices=t["row_q_indices"],
-        merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], mask_lo=t["mask_lo"],
+        merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], row_direct=t["row_direct"],
+        merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
