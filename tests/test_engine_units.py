@@ -212,3 +212,36 @@ def test_precompile_kernels_is_a_no_op_on_the_torch_backend():
 
     eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=256, backend="torch")
     assert eng.precompile_kernels() == 0
+
+
+def test_verify_trees_share_structure_and_plan_as_fresh_trees():
+    """Speculative verification steps build trees with the previous step's structure; their plans
+    are those of trees built from scratch."""
+    from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
+
+    pool = KVPool(256, 16, 1, 8, num_layers=1, dtype=torch.float32)
+    kv = KVCacheManager(pool)
+    tree = SequenceTree(kv)
+    ctx = tree.add_root()
+    tree.extend(ctx, list(range(300)))
+    drafts = np.array([-1, -1, 0, 0, 1, 2, 2, 5, -1, 4])
+    heads = HeadConfig(32, 8, 128, torch.bfloat16)
+    prev = None
+    for accept in (3, 1, 4, 2):
+        tree.append_run(ctx, torch.tensor([7]))
+        dt = tree.decoding_tree([ctx], drafts=(ctx, drafts, kv.scratch(drafts.size)))
+        if prev is not None:
+            assert dt._structure is prev._structure
+        fresh = DecodingTree(dt.parents, dt.lengths, dt.kv_indptr, dt.kv_indices, dt.query_nodes,
+                             dt.query_prefix, dt.page_size, dt.num_slots)
+        for strategy in STRATEGIES:
+            a = make_plan(dt, heads, strategy=strategy)
+            b = make_plan(fresh, heads, strategy=strategy)
+            assert a.strategy == b.strategy and a.launches == b.launches
+            for name in ("kv_indices", "work_kv_start", "work_kv_end", "work_row_indptr", "row_q_indices",
+                         "merge_indptr", "merge_indices", "mask_lo", "mask_hi", "mask_pos", "query_pos",
+                         "query_prefix"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (strategy, name)
+        tree.append_run(ctx, torch.arange(accept - 1))
+        prev = dt

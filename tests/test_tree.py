@@ -111,3 +111,39 @@ def test_paths_list_each_nodes_ancestors_root_first():
     tree = DecodingTree.from_parents([2, 2, -1, 1, -1], [1, 1, 1, 1, 1])
     owner, node = tree.paths(np.array([3, 4, 2]))
     assert owner.tolist() == [0, 0, 0, 1, 2] and node.tolist() == [2, 1, 3, 4, 2]
+
+
+def _fresh(tree):
+    return DecodingTree(tree.parents, tree.lengths, tree.kv_indptr, tree.kv_indices,
+                        tree.query_nodes, tree.query_prefix, tree.page_size, tree.num_slots)
+
+
+@pytest.mark.parametrize("n,roots", [(1, 1), (17, 1), (60, 3)])
+def test_reuse_shares_structure_and_matches_a_fresh_tree(rng, n, roots):
+    parents = random_parents(rng, n, roots)
+    lengths = rng.integers(1, 9, n)
+    qn = rng.choice(n, size=min(n, 7), replace=False)
+    first = DecodingTree.from_parents(parents, lengths, query_nodes=qn)
+    grown = lengths + rng.integers(0, 5, n)
+    prefix = np.where(rng.random(qn.size) < 0.5, grown[qn], rng.integers(0, 2, qn.size))
+    prefix = np.where(parents[qn] < 0, grown[qn], prefix)  # a query must see some token
+    nxt = DecodingTree.from_parents(parents, grown, query_nodes=qn, query_prefix=prefix, reuse=first)
+    assert nxt._structure is first._structure
+    ref = _fresh(nxt)
+    assert ref._structure is not first._structure
+    for name in ("depth", "order", "tin", "tout", "child_indptr", "child_indices", "path_tokens",
+                 "flat_start"):
+        np.testing.assert_array_equal(getattr(nxt.topology, name), getattr(ref.topology, name))
+    for a, b in zip(nxt.effective_paths + nxt.visible_pairs, ref.effective_paths + ref.visible_pairs):
+        np.testing.assert_array_equal(a, b)
+    # other parents or queries: nothing is shared
+    other = DecodingTree.from_parents(parents, grown, query_nodes=np.append(qn, qn[0]), reuse=first)
+    assert other._structure is not first._structure
+
+
+def test_reuse_skips_only_checks_of_known_parents():
+    tree = DecodingTree.from_parents([-1, 0], [2, 1])
+    with pytest.raises(ValueError, match="sees prefix"):
+        DecodingTree.from_parents([-1, 0], [2, 1], query_nodes=[1], query_prefix=[2], reuse=tree)
+    with pytest.raises(ValueError, match="cycle"):
+        DecodingTree.from_parents([1, 0], [2, 1], query_nodes=[1], reuse=tree)

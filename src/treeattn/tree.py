@@ -17,7 +17,7 @@ Everything here is NumPy (int64) on the host; planners turn a tree into device t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import numpy as np
 
@@ -79,11 +79,22 @@ def _ancestor_table(parents: np.ndarray) -> np.ndarray:
     return up
 
 
-def _topology(parents: np.ndarray, lengths: np.ndarray) -> Topology:
+@dataclass(frozen=True)
+class _Shape:
+    """The part of a :class:`Topology` that depends only on the parents."""
+
+    depth: np.ndarray
+    order: np.ndarray
+    tin: np.ndarray
+    tout: np.ndarray
+    child_indptr: np.ndarray
+    child_indices: np.ndarray
+
+
+def _shape(parents: np.ndarray) -> _Shape:
     n = parents.size  # parents were validated (no cycles) when the tree was built
     # depth by level-synchronous propagation (one numpy step per level)
     depth = np.zeros(n, dtype=np.int64)
-    path = np.zeros(n, dtype=np.int64)
     is_root = parents < 0
     frontier = np.flatnonzero(is_root)
     nonroot = np.flatnonzero(~is_root)
@@ -97,37 +108,78 @@ def _topology(parents: np.ndarray, lengths: np.ndarray) -> Topology:
         if kids.size == 0:
             break
         depth[kids] = depth[parents[kids]] + 1
-        path[kids] = path[parents[kids]] + lengths[parents[kids]]
         levels.append(kids)
         frontier = kids
-    # subtree sizes (nodes and tokens), bottom-up
+    # subtree sizes, bottom-up
     size = np.ones(n, dtype=np.int64)
-    sub_tokens = lengths.copy()
     for kids in reversed(levels[1:]):
         np.add.at(size, parents[kids], size[kids])
-        np.add.at(sub_tokens, parents[kids], sub_tokens[kids])
     # pre-order numbers: a child's number = parent's + 1 + sizes of its earlier siblings
     tin = np.zeros(n, dtype=np.int64)
-    flat = np.zeros(n, dtype=np.int64)
     roots = levels[0]
     tin[roots] = np.concatenate(([0], np.cumsum(size[roots])[:-1]))
-    flat[roots] = np.concatenate(([0], np.cumsum(sub_tokens[roots])[:-1]))
-    sib_size = _exclusive_segment_cumsum(size[child_order], child_indptr)
-    sib_tokens = _exclusive_segment_cumsum(sub_tokens[child_order], child_indptr)
     rank_size = np.empty(n, dtype=np.int64)
-    rank_tokens = np.empty(n, dtype=np.int64)
-    rank_size[child_order] = sib_size
-    rank_tokens[child_order] = sib_tokens
+    rank_size[child_order] = _exclusive_segment_cumsum(size[child_order], child_indptr)
     for kids in levels[1:]:
-        p = parents[kids]
-        tin[kids] = tin[p] + 1 + rank_size[kids]
-        flat[kids] = flat[p] + lengths[p] + rank_tokens[kids]
+        tin[kids] = tin[parents[kids]] + 1 + rank_size[kids]
     order = np.empty(n, dtype=np.int64)
     order[tin] = np.arange(n)
+    return _Shape(depth=depth, order=order, tin=tin, tout=tin + size, child_indptr=child_indptr,
+                  child_indices=child_order)
+
+
+def _topology(shape: _Shape, lengths: np.ndarray) -> Topology:
+    n = lengths.size
+    # depth-first token order is the pre-order of the nodes
+    flat = np.empty(n, dtype=np.int64)
+    flat[shape.order] = np.cumsum(lengths[shape.order]) - lengths[shape.order]
+    # tokens of ancestors-or-self: prefix sum over the pre-order of +length at a node's tin and
+    # -length at its tout
+    delta = np.zeros(n + 1, dtype=np.int64)
+    delta[shape.tin] = lengths
+    np.subtract.at(delta, shape.tout, lengths)
+    path = np.cumsum(delta)[shape.tin] - lengths
     return Topology(
-        depth=depth, order=order, tin=tin, tout=tin + size, child_indptr=child_indptr,
-        child_indices=child_order, path_tokens=path, flat_start=flat,
+        depth=shape.depth, order=shape.order, tin=shape.tin, tout=shape.tout,
+        child_indptr=shape.child_indptr, child_indices=shape.child_indices, path_tokens=path,
+        flat_start=flat,
     )
+
+
+def _paths(parents: np.ndarray, depth: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`DecodingTree.paths`."""
+    nodes = np.asarray(nodes, dtype=np.int64)
+    count = depth[nodes] + 1
+    end = np.cumsum(count)
+    owner = np.repeat(np.arange(nodes.size), count)
+    seg = np.empty(owner.size, dtype=np.int64)
+    # walk up one level per step, writing each ancestor at its depth's slot of the path
+    pos, cur = end - 1, nodes
+    while cur.size:
+        seg[pos] = cur
+        up = parents[cur]
+        keep = up >= 0
+        pos, cur = pos[keep] - 1, up[keep]
+    return owner, seg
+
+
+class _Structure:
+    """What depends only on a tree's parents and query nodes, computed when first needed and
+    shared by the trees built with ``reuse`` (the same tree with other token counts and slots)."""
+
+    def __init__(self, parents: np.ndarray, query_nodes: np.ndarray):
+        self.parents, self.query_nodes = parents, query_nodes
+
+    @functools.cached_property
+    def shape(self) -> _Shape:
+        return _shape(self.parents)
+
+    @functools.cached_property
+    def query_paths(self) -> tuple[np.ndarray, np.ndarray]:
+        return _paths(self.parents, self.shape.depth, self.query_nodes)
+
+    def matches(self, parents: np.ndarray, query_nodes: np.ndarray) -> bool:
+        return np.array_equal(parents, self.parents) and np.array_equal(query_nodes, self.query_nodes)
 
 
 def _children_of(nodes: np.ndarray, indptr: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -183,6 +235,9 @@ class DecodingTree:
         Tokens per page of the pool that ``kv_indices`` address.
     num_slots : int or None
         Slots in the pool (``num_pages * page_size``); when given, slots are range-checked.
+    reuse : DecodingTree, optional (constructor only)
+        A tree that may have the same parents and query nodes (a decode loop's previous step);
+        when it does, the structure derived from them is shared instead of recomputed.
     """
 
     parents: np.ndarray
@@ -193,21 +248,25 @@ class DecodingTree:
     query_prefix: np.ndarray
     page_size: int = 1
     num_slots: int | None = None
+    reuse: InitVar[DecodingTree | None] = None
 
-    def __post_init__(self) -> None:
-        self._validate()
+    def __post_init__(self, reuse: DecodingTree | None) -> None:
+        known = reuse is not None and reuse._structure.matches(self.parents, self.query_nodes)
+        # frozen dataclass: cached values go straight into the instance dict
+        self.__dict__["_structure"] = reuse._structure if known else _Structure(self.parents, self.query_nodes)
+        self._validate(check_parents=not known)
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_parents(cls, parents, lengths, *, query_nodes=None, query_prefix=None,
                      kv_indptr=None, kv_indices=None, page_size: int = 1,
-                     num_slots: int | None = None) -> "DecodingTree":
+                     num_slots: int | None = None, reuse: DecodingTree | None = None) -> "DecodingTree":
         """Build a tree from parent links and token counts.
 
         Without ``kv_indices``, node ``i``'s tokens are the contiguous slots
         ``[sum(lengths[:i]), sum(lengths[:i + 1]))``: the layout of :func:`treeattn.tree_attention`.
         Without ``query_nodes``, there is one query per leaf, leaves in increasing id order.
-        Without ``query_prefix``, each query sees all of its own node.
+        Without ``query_prefix``, each query sees all of its own node. ``reuse``: see the class.
         """
         parents = _as_index_array(parents, "parents")
         lengths = _as_index_array(lengths, "lengths")
@@ -235,7 +294,7 @@ class DecodingTree:
                                     if lengths.size else 0, 0)
         query_prefix = _as_index_array(query_prefix, "query_prefix")
         return cls(parents, lengths, kv_indptr, kv_indices, query_nodes, query_prefix,
-                   int(page_size), num_slots)
+                   int(page_size), num_slots, reuse)
 
     def with_queries(self, query_nodes, query_prefix=None) -> "DecodingTree":
         """The same KV tree with other queries."""
@@ -260,7 +319,7 @@ class DecodingTree:
 
     @functools.cached_property
     def topology(self) -> Topology:
-        return _topology(self.parents, self.lengths)
+        return _topology(self._structure.shape, self.lengths)
 
     @functools.cached_property
     def visible_tokens(self) -> np.ndarray:
@@ -293,6 +352,8 @@ class DecodingTree:
     def effective_paths(self) -> tuple[np.ndarray, np.ndarray]:
         """int64 ``(query, node)``: :meth:`paths` of the effective query nodes (zero-length
         nodes included)."""
+        if self.query_prefix.all():  # every query is its own effective query
+            return self._structure.query_paths
         return self.paths(self.effective_queries[0])
 
     @functools.cached_property
@@ -324,19 +385,7 @@ class DecodingTree:
     def paths(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Root-to-node paths: int64 ``(owner, node)`` listing, for each entry ``k`` of ``nodes``,
         its ancestors root first and then itself (``owner`` = ``k``)."""
-        nodes = np.asarray(nodes, dtype=np.int64)
-        count = self.topology.depth[nodes] + 1
-        end = np.cumsum(count)
-        owner = np.repeat(np.arange(nodes.size), count)
-        seg = np.empty(owner.size, dtype=np.int64)
-        # walk up one level per step, writing each ancestor at its depth's slot of the path
-        pos, cur = end - 1, nodes
-        while cur.size:
-            seg[pos] = cur
-            up = self.parents[cur]
-            keep = up >= 0
-            pos, cur = pos[keep] - 1, up[keep]
-        return owner, seg
+        return _paths(self.parents, self.topology.depth, nodes)
 
     def sees(self, nodes: np.ndarray, queries: np.ndarray) -> np.ndarray:
         """Tokens of ``nodes`` visible to ``queries`` (element-wise, int64)."""
@@ -347,25 +396,27 @@ class DecodingTree:
         return np.where(own, self.query_prefix[queries], np.where(anc, self.lengths[nodes], 0))
 
     # ------------------------------------------------------------------ validation
-    def _validate(self) -> None:
+    def _validate(self, check_parents: bool = True) -> None:
         p, ln = self.parents, self.lengths
         n = p.size
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if n == 0:
             raise ValueError("malformed tree: it has no nodes")
-        bad = np.flatnonzero((p < -1) | (p >= n))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"malformed tree: parent of node {i} is {int(p[i])}, out of range [-1, {n})")
-        self_loop = np.flatnonzero(p == np.arange(n))
-        if self_loop.size:
-            raise ValueError(f"malformed tree: node {int(self_loop[0])} is its own parent (a cycle)")
+        if check_parents:  # (else they are those of a tree that passed)
+            bad = np.flatnonzero((p < -1) | (p >= n))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"malformed tree: parent of node {i} is {int(p[i])}, out of range [-1, {n})")
+            self_loop = np.flatnonzero(p == np.arange(n))
+            if self_loop.size:
+                raise ValueError(f"malformed tree: node {int(self_loop[0])} is its own parent (a cycle)")
         neg = np.flatnonzero(ln < 0)
         if neg.size:
             i = int(neg[0])
             raise ValueError(f"malformed tree: node {i} has negative length {int(ln[i])}")
-        _ancestor_table(p)
+        if check_parents:
+            _ancestor_table(p)
         if self.kv_indptr.size != n + 1 or self.kv_indptr[0] != 0 or np.any(np.diff(self.kv_indptr) != ln):
             raise ValueError("kv_indptr must be [0, cumsum(lengths)] (one KV slot per token of each node)")
         if self.kv_indices.size != self.kv_indptr[-1]:

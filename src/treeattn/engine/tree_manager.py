@@ -98,6 +98,7 @@ class SequenceTree:
         self._next = 0
         self._log = _TokenLog()
         self.results: list = []
+        self._last_tree: DecodingTree | None = None  # shares its structure with the next one
 
     # ------------------------------------------------------------------ topology
     def _get(self, node: int) -> _Node:
@@ -318,7 +319,8 @@ class SequenceTree:
             qn = np.concatenate((qn, np.arange(base, base + dpar.size)))
         lengths = np.asarray(lengths, dtype=np.int64)
         qn = np.asarray(qn, dtype=np.int64)
-        return DecodingTree.from_parents(
+        self._last_tree = DecodingTree.from_parents(
             parents, lengths, query_nodes=qn, query_prefix=lengths[qn],
             kv_indices=np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64),
-            page_size=self.kv.pool.page_size, num_slots=self.kv.pool.num_slots)
+            page_size=self.kv.pool.page_size, num_slots=self.kv.pool.num_slots, reuse=self._last_tree)
+        return self._last_tree

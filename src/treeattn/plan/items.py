@@ -54,12 +54,15 @@ class WorkItems:
         seg_len = self.seg_hi - self.seg_lo
         return _segment_sum(seg_len, self.seg_indptr)
 
-    @property
+    @functools.cached_property
     def item_queries(self) -> np.ndarray:
-        return np.diff(self.q_indptr)
+        """int64 [num_items]: queries of each item."""
+        return self.q_indptr[1:] - self.q_indptr[:-1]
 
     def take(self, keep: np.ndarray) -> "WorkItems":
         """The items selected by index array ``keep`` (in that order)."""
+        if keep.size == self.num_items and (keep == np.arange(keep.size)).all():
+            return self
         seg = ranges(self.seg_indptr[keep], self.seg_indptr[keep + 1])
         qs = ranges(self.q_indptr[keep], self.q_indptr[keep + 1])
         return WorkItems(
@@ -76,13 +79,13 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
 
 
 def _segment_sum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
-    c = np.concatenate(([0], np.cumsum(values)))
+    c = _indptr(values)
     return c[indptr[1:]] - c[indptr[:-1]]
 
 
 def group_order(ids: np.ndarray, num_groups: int) -> np.ndarray | None:
     """Stable order that groups ``ids`` (in ``[0, num_groups)``), or None when they already are."""
-    if ids.size < 2 or not np.any(ids[1:] < ids[:-1]):
+    if ids.size < 2 or not (ids[1:] < ids[:-1]).any():
         return None
     if num_groups <= 1 << 16:
         ids = ids.astype(np.uint16)  # numpy's stable sort of 16-bit keys is a (fast) radix sort
@@ -114,43 +117,46 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     KV split, PAT's long-KV split and FastTree's long-context splitting."""
     n = items.num_items
     length = items.item_len
-    max_len = np.broadcast_to(np.asarray(max_len, dtype=np.int64), (n,))
-    max_len = np.maximum(max_len, 1)
+    max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
     chunks = np.maximum(1, -(-length // max_len))
-    if np.all(chunks == 1):
+    if (chunks == 1).all():
         return items
     chunk_len = -(-length // chunks)
     chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
     chunks = np.maximum(1, -(-length // chunk_len))
     # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
     seg_len = items.seg_hi - items.seg_lo
-    seg_item = np.repeat(np.arange(n), np.diff(items.seg_indptr))
-    csum = np.concatenate(([0], np.cumsum(seg_len)))
+    seg_item = np.repeat(np.arange(n), items.seg_indptr[1:] - items.seg_indptr[:-1])
+    csum = _indptr(seg_len)
     seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
     live = np.flatnonzero(seg_len > 0)
     cl = chunk_len[seg_item[live]]
-    c0, c1 = seg_start[live] // cl, (seg_start[live] + seg_len[live] - 1) // cl
-    piece_seg = np.repeat(live, c1 - c0 + 1)
-    piece_chunk = ranges(c0, c1 + 1)
-    piece_cl = np.repeat(cl, c1 - c0 + 1)
-    start = np.maximum(piece_chunk * piece_cl, seg_start[piece_seg])
-    end = np.minimum((piece_chunk + 1) * piece_cl, seg_start[piece_seg] + seg_len[piece_seg])
-    piece_lo = items.seg_lo[piece_seg] + (start - seg_start[piece_seg])
-    new_item_base = np.concatenate(([0], np.cumsum(chunks)))[:-1]
+    start0, len0 = seg_start[live], seg_len[live]
+    c0 = start0 // cl
+    pieces = (start0 + len0 - 1) // cl - c0 + 1
+    piece_seg = np.repeat(live, pieces)
+    piece_chunk = ranges(c0, c0 + pieces)
+    piece_cl = np.repeat(cl, pieces)
+    offset = seg_start[piece_seg]
+    start = np.maximum(piece_chunk * piece_cl, offset)
+    end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
+    piece_lo = items.seg_lo[piece_seg] + (start - offset)
+    new_item_base = _indptr(chunks)
+    num_new = int(new_item_base[-1])
     piece_new_item = new_item_base[seg_item[piece_seg]] + piece_chunk
     chunk_item = np.repeat(np.arange(n), chunks)
     q_cnt = items.item_queries[chunk_item]
-    q_new_item = np.repeat(np.arange(chunk_item.size), q_cnt)
     q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
     q_tokens = None
     if items.q_tokens is not None and np.array_equal(items.q_tokens, np.repeat(length, items.item_queries)):
         # queries that saw their items whole see every chunk whole
-        local = np.arange(chunk_item.size) - new_item_base[chunk_item]
+        local = np.arange(num_new) - new_item_base[chunk_item]
         cl = chunk_len[chunk_item]
-        q_tokens = np.minimum(cl, length[chunk_item] - local * cl)[q_new_item]
-    return items_from_groups(piece_new_item, items.seg_node[piece_seg], piece_lo,
-                             piece_lo + (end - start), q_new_item, q_new, int(chunks.sum()),
-                             q_tokens=q_tokens)
+        q_tokens = np.repeat(np.minimum(cl, length[chunk_item] - local * cl), q_cnt)
+    # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
+    # already grouped by new item
+    return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
+                     piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
 
 
 def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
