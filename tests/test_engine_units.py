@@ -245,3 +245,19 @@ def test_verify_trees_share_structure_and_plan_as_fresh_trees():
                 assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (strategy, name)
         tree.append_run(ctx, torch.arange(accept - 1))
         prev = dt
+
+
+def test_auto_decision_is_reused_until_the_tree_changes_scale():
+    """The engine's planner reuses auto's choice while a verify loop's tree keeps its shape, and
+    decides again once the growing prefix crosses a power of two of KV tokens."""
+    from treeattn import HeadConfig
+    from treeattn.engine.planning import StepPlanner
+    from treeattn.workloads import tree_from_medusa
+
+    planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="auto", device="cpu")
+    first = planner.plan(tree_from_medusa(32, context_len=90))  # 90 + 32 tokens: 7 bits
+    assert first.requested_strategy == "auto" and first.strategy == "sequence"
+    again = planner.plan(tree_from_medusa(32, context_len=80))
+    assert again.requested_strategy == "sequence"  # same shape, same octave: reused
+    longer = planner.plan(tree_from_medusa(32, context_len=2800))
+    assert longer.requested_strategy == "auto" and longer.strategy != "sequence"

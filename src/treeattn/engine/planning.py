@@ -45,7 +45,8 @@ class StepPlanner:
     cost : treeattn.CostModel, optional
     auto_refresh : int
         With ``strategy="auto"``, the concrete strategy auto picks is reused for up to this many
-        plans while the tree keeps its number of nodes and queries (1: decide every plan).
+        plans while the tree keeps its number of nodes and queries and its KV tokens stay within
+        the same power of two (1: decide every plan).
     """
 
     def __init__(self, heads: HeadConfig, *, strategy: str, device, cost: CostModel | None = None,
@@ -59,10 +60,16 @@ class StepPlanner:
         self.last_ms = 0.0
         self.last_reason = ""
 
+    @staticmethod
+    def _shape_key(tree: DecodingTree) -> tuple:
+        # a speculative verify loop keeps its nodes and queries while the prefix grows from a few
+        # tokens (sequence wins) to thousands (prefix-aware plans win): decide again per octave
+        return tree.num_nodes, tree.num_queries, int(tree.num_tokens).bit_length()
+
     def _choose(self, tree: DecodingTree) -> str:
         if self.strategy != "auto":
             return self.strategy
-        key = (tree.num_nodes, tree.num_queries)
+        key = self._shape_key(tree)
         if self._auto is not None and self._auto[0] == key and self._auto[2] > 0:
             self._auto = (key, self._auto[1], self._auto[2] - 1)
             return self._auto[1]
@@ -78,7 +85,7 @@ class StepPlanner:
         strategy = self._choose(tree)
         plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
         if strategy == "auto":
-            self._auto = ((tree.num_nodes, tree.num_queries), plan.strategy, self.auto_refresh - 1)
+            self._auto = (self._shape_key(tree), plan.strategy, self.auto_refresh - 1)
         self.last_reason = plan.reason
         if dynamic_prefix:
             plan = self._masked(plan, tree)
