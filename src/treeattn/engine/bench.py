@@ -10,10 +10,11 @@ after a GPU sleep long enough for the host to enqueue the whole step first, so t
 measure pure GPU time: attention (events around every layer's attention call, summed) and the rest.
 Host times (KV management, planning, issuing the forward pass) come from the engine's own timers.
 
-``mean_step_ms`` leaves out timed steps slower than 4x the median (one-time costs such as a Triton
-JIT compile; ``outliers`` counts them, ``mean_step_ms_all`` keeps them). ``host_overhead`` =
-(mean step latency - pure GPU time of a step) / mean step latency: the share of a step the GPU
-waits for the host.
+Every attention-kernel variant is compiled before the run (``TreeEngine.precompile_kernels``).
+``mean_step_ms`` leaves out timed steps slower than 4x the median (one-time costs such as
+allocator growth; ``outliers`` counts them, ``mean_step_ms_all`` keeps them). ``host_overhead``
+= (mean step latency - pure GPU time of a step) / mean step latency: the share of a step the
+GPU waits for the host.
 """
 from __future__ import annotations
 
@@ -142,6 +143,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
                 "host_enqueue": host_ms,
                 "pure": not cycles or host_ms < sleep_ms})
 
+    engine.precompile_kernels()  # no timed step waits for Triton's JIT
     engine.prepare_graphs(ctl.query_counts())
     engine.hook = hook
     t_start = time.perf_counter()
