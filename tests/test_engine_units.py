@@ -261,3 +261,19 @@ def test_auto_decision_is_reused_until_the_tree_changes_scale():
     assert again.requested_strategy == "sequence"  # same shape, same octave: reused
     longer = planner.plan(tree_from_medusa(32, context_len=2800))
     assert longer.requested_strategy == "auto" and longer.strategy != "sequence"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_plans_are_64_byte_aligned():
+    """Triton specialises kernels on pointer alignment: every tensor of a plan moved to the GPU
+    starts 64-byte aligned, whatever the sizes of the tensors before it."""
+    from treeattn import HeadConfig
+    from treeattn.engine.planning import StepPlanner
+    from treeattn.workloads import tree_from_medusa
+
+    planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="flatten", device="cuda")
+    for ctx in (45, 301, 1000):
+        plan = planner.plan(tree_from_medusa(32, context_len=ctx), dynamic_prefix=True)
+        for name in ("kv_indices", "work_kv_start", "work_row_indptr", "row_q_indices", "row_direct",
+                     "merge_q_indices", "mask_lo", "mask_pos", "query_pos", "query_prefix"):
+            assert getattr(plan, name).data_ptr() % 64 == 0, name

@@ -19,6 +19,9 @@ from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 
 __all__ = ["StepPlanner", "upload"]
 
+#: int32 elements between the starts of a device plan's tensors (64 bytes)
+_ALIGN = 16
+
 
 def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """``arr`` as a tensor on ``device``; CUDA copies go through pinned memory without blocking."""
@@ -131,11 +134,13 @@ class StepPlanner:
             return plan
         names = _tensor_fields(plan)
         parts = [getattr(plan, n).reshape(-1).to(torch.int32) for n in names]
-        host = torch.empty(sum(p.numel() for p in parts), dtype=torch.int32, pin_memory=True)
-        torch.cat(parts, out=host)
+        # every tensor starts 64-byte aligned, like plan.py's buffers: Triton specialises kernels
+        # on pointer alignment, and a plan-dependent alignment would compile new variants mid-run
+        starts = np.cumsum([0] + [-(-p.numel() // _ALIGN) * _ALIGN for p in parts])
+        host = torch.empty(int(starts[-1]), dtype=torch.int32, pin_memory=True)
+        for p, at in zip(parts, starts.tolist()):
+            host[at: at + p.numel()] = p
         dev = host.to(self.device, non_blocking=True)
-        views, at = {}, 0
-        for n, p in zip(names, parts):
-            views[n] = dev[at: at + p.numel()].view(getattr(plan, n).shape)
-            at += p.numel()
+        views = {n: dev[at: at + p.numel()].view(getattr(plan, n).shape)
+                 for n, p, at in zip(names, parts, starts.tolist())}
         return dataclasses.replace(plan, **views)

@@ -13,7 +13,9 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+# work_offset (the launch's first work unit) takes any value: specialising on it (== 1, multiple
+# of 16) would compile new variants in the middle of decoding
+@triton.jit(do_not_specialize=["work_offset"])
 def _tree_partial_attention_kernel(
     Q, K, V, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices, row_direct,
