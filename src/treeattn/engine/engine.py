@@ -395,7 +395,9 @@ class TreeEngine:
         if self.graphs is None:
             return
         planner = StepPlanner(self.planner.heads, strategy="sequence", device=self.device)
-        for m in sorted({self.graphs.bucket(c) for c in counts} - {None}):
+        # largest bucket first: it sizes the static buffers once (a bigger bucket captured later
+        # would reallocate them and drop every graph captured before)
+        for m in sorted({self.graphs.bucket(c) for c in counts} - {None}, reverse=True):
             if not self.graphs.supports(m):
                 return
             slots = self.kv.scratch(m)

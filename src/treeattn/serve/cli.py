@@ -80,6 +80,13 @@ def serve_command(args) -> int:
     t0 = time.perf_counter()
     if engine.precompile_kernels():
         log.info("compiled the attention kernels in %.1f s", time.perf_counter() - t0)
+    # capture every decode batch's CUDA graphs now: a capture (and the JIT of the kernels it
+    # meets) in the middle of serving stalls every running request for seconds
+    t0 = time.perf_counter()
+    engine.prepare_graphs(range(1, args.max_batch + 1))
+    if engine.graphs is not None:
+        log.info("captured the decode graphs for 1-%d sequences in %.1f s", args.max_batch,
+                 time.perf_counter() - t0)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
                           block_tokens=args.prefix_block)
     log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
