@@ -86,3 +86,90 @@ def test_update_through_the_pool(rng):
     vc.normal_()
     q = torch.randn(3, 4, 16)
     assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, tree)[0]) <= 1e-4
+
+
+def rebuilt(tree: DecodingTree, **change) -> DecodingTree:
+    """``tree`` with some of its arrays replaced."""
+    a = dict(parents=tree.parents, lengths=tree.lengths, query_nodes=tree.query_nodes,
+             query_prefix=tree.query_prefix, kv_indices=tree.kv_indices)
+    a.update(change)
+    return DecodingTree.from_parents(a.pop("parents"), a.pop("lengths"), page_size=tree.page_size, **a)
+
+
+def append(tree: DecodingTree, node: int, slots, see: bool = True) -> DecodingTree:
+    """``tree`` with ``slots`` appended to ``node``; queries that saw it whole see it whole when
+    ``see``."""
+    lengths = tree.lengths.copy()
+    lengths[node] += len(slots)
+    kv = np.insert(tree.kv_indices, tree.kv_indptr[node + 1], slots)
+    prefix = tree.query_prefix.copy()
+    if see:
+        prefix[(tree.query_nodes == node) & (prefix == tree.lengths[node])] += len(slots)
+    return rebuilt(tree, lengths=lengths, kv_indices=kv, query_prefix=prefix)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_update_rejects_anything_but_an_append(strategy):
+    tree = tree_from_spec("1,3,6_30,7,5")
+    plan = TreeAttention(backend="torch").plan(tree, strategy=strategy, **HEADS)
+    leaf, fresh = int(tree.query_nodes[0]), int(tree.kv_indices.max()) + 1
+    grown = append(tree, leaf, [fresh])
+    assert update_plan(plan, grown) is not None
+    kv = grown.kv_indices
+    moved = kv.copy()
+    moved[3] = fresh + 1  # an old token in a new slot
+    swapped = kv.copy()
+    swapped[[5, 40]] = swapped[[40, 5]]  # two old tokens trade slots
+    at_head = np.insert(tree.kv_indices, tree.kv_indptr[leaf], fresh)  # not at the tail
+    parents = tree.parents.copy()
+    parents[[4, 9]] = parents[[9, 4]]  # same sizes, other parents
+    assert not np.array_equal(parents, tree.parents)
+    lengths = grown.lengths.copy()
+    lengths[0] -= 1  # the root loses a token: as many tokens as with one appended
+    qn = grown.query_nodes[::-1].copy()
+    for bad in (rebuilt(grown, kv_indices=moved), rebuilt(grown, kv_indices=swapped),
+                rebuilt(grown, kv_indices=at_head), rebuilt(grown, parents=parents),
+                rebuilt(grown, query_prefix=tree.query_prefix),  # the leaf's query misses it
+                rebuilt(grown, query_nodes=qn, query_prefix=grown.lengths[qn]),
+                rebuilt(grown, lengths=lengths, kv_indices=kv[1:]),
+                rebuilt(tree, kv_indices=tree.kv_indices + 1)):  # no growth, other slots
+        assert update_plan(plan, bad) is None
+    assert update_plan(plan, rebuilt(tree)) is plan  # no growth, same slots
+
+
+def test_update_rejects_an_append_nobody_reads():
+    # a speculative-style query sees 3 of its node's 5 tokens: the node's tail is never planned
+    tree = DecodingTree.from_parents([-1, 0, 0], [6, 5, 4], query_nodes=[1, 2], query_prefix=[3, 4])
+    w = TreeAttention(backend="torch")
+    for strategy in STRATEGIES:
+        plan = w.plan(tree, strategy=strategy, **HEADS)
+        assert update_plan(plan, append(tree, 1, [15], see=False)) is None
+        assert update_plan(plan, append(tree, 2, [15])) is not None
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_update_keeps_host_invariants_and_io(rng, strategy):
+    tree = random_tree(rng, 50, 25, roots=2, inner_queries=True)
+    plan = TreeAttention(backend="torch").plan(tree, strategy=strategy, **HEADS)
+    for step in range(3):
+        tree = grow_leaves(tree, rng, steps=step + 1)
+        plan = update_plan(plan, tree)
+        h = plan.host
+        start, end = plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
+        assert np.array_equal(h.kv_slots, plan.kv_indices.numpy())
+        assert np.array_equal(h.work_kv_start, start) and np.array_equal(h.work_kv_end, end)
+        assert np.all(h.kv_slots[h.tail_pos] == tree.kv_indices[tree.kv_indptr[h.tail_node + 1] - 1])
+        assert np.array_equal(h.start_tails, np.searchsorted(h.tail_pos, start))
+        assert np.array_equal(h.end_tails, np.searchsorted(h.tail_pos, end))
+        cover = [np.count_nonzero((start <= p) & (p < end)) for p in h.tail_pos]
+        assert np.array_equal(h.tail_cover, cover)
+        assert np.array_equal(h.saw_all, tree.query_prefix == tree.lengths[tree.query_nodes])
+        heads = plan.heads
+        per_token = heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
+        tiles = int((end - start).sum())
+        io = plan.io
+        assert io.kv == plan.kv_indices.numel() * per_token
+        assert io.kv + io.kv_tile_rereads == tiles * per_token
+        assert io.index == tiles * 4 * heads.num_kv_heads
+        assert io.mask == (tiles * 12 * heads.num_kv_heads if plan.has_mask else 0)
+        assert plan.min_slots == int(plan.kv_indices.max()) + 1

@@ -357,14 +357,37 @@ class DecodingTree:
         return self.paths(self.effective_queries[0])
 
     @functools.cached_property
+    def effective_visible(self) -> np.ndarray:
+        """int64: tokens of each node of :attr:`effective_paths` that its query sees (0 for
+        zero-length nodes)."""
+        eff_node, eff_prefix = self.effective_queries
+        owner, node = self.effective_paths
+        return np.where(node == eff_node[owner], eff_prefix[owner], self.lengths[node])
+
+    @functools.cached_property
     def visible_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int64 ``(query, node, visible)``: every (query, node) pair where the query sees
         ``visible >= 1`` leading tokens of the node; by query, then root first along its path."""
-        eff_node, eff_prefix = self.effective_queries
         owner, node = self.effective_paths
-        visible = np.where(node == eff_node[owner], eff_prefix[owner], self.lengths[node])
+        visible = self.effective_visible
         keep = visible > 0
+        if keep.all():
+            return owner, node, visible
         return owner[keep], node[keep], visible[keep]
+
+    @functools.cached_property
+    def pairs_by_node(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """int64 ``(query, node, next, visible)``: the pairs of :attr:`effective_paths` with
+        :attr:`effective_visible`, grouped by node (queries in increasing order within a node);
+        ``next`` is the node after ``node`` on the query's path, ``-1`` at its end."""
+        owner, node = self.effective_paths
+        nxt = np.empty_like(node)
+        nxt[:-1] = node[1:]
+        nxt[-1] = -1
+        nxt[np.flatnonzero(owner[1:] != owner[:-1])] = -1
+        # numpy's stable sort of 16-bit keys is a (fast) radix sort
+        order = np.argsort(node.astype(np.uint16) if self.num_nodes <= 1 << 16 else node, kind="stable")
+        return owner[order], node[order], nxt[order], self.effective_visible[order]
 
     @functools.cached_property
     def node_extent(self) -> np.ndarray:

@@ -36,6 +36,13 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
                            tree.num_queries, kv_tokens, masked)
 
 
+def _same_estimate_inputs(a: WorkItems, b: WorkItems) -> bool:
+    """Whether :func:`estimate_items` rates ``a`` and ``b`` alike (same lengths and queries)."""
+    return a is b or (a.num_items == b.num_items and a.q_indices.size == b.q_indices.size
+                      and np.array_equal(a.item_len, b.item_len) and np.array_equal(a.q_indptr, b.q_indptr)
+                      and np.array_equal(a.q_indices, b.q_indices))
+
+
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
               ) -> tuple[str, WorkItems, str]:
     """Returns ``(chosen strategy, its items, reason)``."""
@@ -43,7 +50,10 @@ def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: 
     tokens = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
     for name, planner in planners.items():
         items, note = planner(tree, heads, cost)
-        est = estimate_items(tree, items, heads, cost, **tokens)
+        # planners may make the same items (node_chunk when no node is long): rate them once
+        est = next((e for _, _, it, _, e in scored if _same_estimate_inputs(it, items)), None)
+        if est is None:
+            est = estimate_items(tree, items, heads, cost, **tokens)
         scored.append((est["total"], name, items, note, est))
     scored.sort(key=lambda s: s[0])
     _, name, items, note, est = scored[0]

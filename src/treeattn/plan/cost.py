@@ -77,14 +77,11 @@ def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig) -> list:
     n_shapes = 2 * block_m.size
     programs = np.bincount(shape, weights=tiles, minlength=n_shapes).tolist()
     work = np.bincount(shape, weights=tiles * kv_tiles, minlength=n_shapes).tolist()
-    present = [k for k in range(n_shapes) if programs[k] > 0]
+    longest = np.zeros(n_shapes, dtype=np.int64)
+    np.maximum.at(longest, shape, kv_tiles)
     hkv = heads.num_kv_heads
-    out = []
-    for k in present:
-        longest = kv_tiles.max() if len(present) == 1 else kv_tiles[shape == k].max()
-        out.append((int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv,
-                    int(longest)))
-    return out
+    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m)
+            for k, m in enumerate(longest.tolist()) if programs[k] > 0]
 
 
 _ELEM_BYTES: dict = {}

@@ -20,29 +20,37 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     flat = tree.topology.flat_start
     total = tree.num_tokens
     n_blocks = -(-total // block)
-    # pieces of nodes in each block, depth-first order
+    # pieces of nodes in each block, depth-first order (so by block too)
     extent = tree.node_extent  # tokens nobody sees are left out of the blocks
-    nodes = np.flatnonzero(extent > 0)
+    nodes = tree.topology.order
+    nodes = nodes[extent[nodes] > 0]
     start, end = flat[nodes], flat[nodes] + extent[nodes]
     b0, b1 = start // block, (end - 1) // block
     piece_node = np.repeat(nodes, b1 - b0 + 1)
     piece_block = ranges(b0, b1 + 1)
-    lo = np.maximum(piece_block * block, flat[piece_node]) - flat[piece_node]
-    hi = np.minimum((piece_block + 1) * block, flat[piece_node] + extent[piece_node]) - flat[piece_node]
-    order = np.lexsort((flat[piece_node], piece_block))
-    # queries of each block: those whose visible part of some node overlaps it
+    piece_start = flat[piece_node]
+    lo = np.maximum(piece_block * block, piece_start) - piece_start
+    hi = np.minimum((piece_block + 1) * block, piece_start + extent[piece_node]) - piece_start
+    # queries of each block: those whose visible part of some node overlaps it, and the tokens
+    # of the block they see through that node
     q, node, visible = tree.visible_pairs
-    qb0, qb1 = flat[node] // block, (flat[node] + visible - 1) // block
-    pair_block = ranges(qb0, qb1 + 1)
-    pair_q = np.repeat(q, qb1 - qb0 + 1)
-    # tokens of the block the query sees through this node
-    pair_start = np.repeat(flat[node], qb1 - qb0 + 1)
-    pair_end = pair_start + np.repeat(visible, qb1 - qb0 + 1)
-    seen = np.minimum(pair_end, (pair_block + 1) * block) - np.maximum(pair_start, pair_block * block)
+    pair_start = flat[node]
+    pair_block = pair_start // block
+    span = (pair_start + visible - 1) // block - pair_block
+    if span.any():  # (else every visible part lies in one block)
+        pair_q = np.repeat(q, span + 1)
+        pair_block = ranges(pair_block, pair_block + span + 1)
+        pair_start, pair_end = np.repeat(pair_start, span + 1), np.repeat(pair_start + visible, span + 1)
+        seen = np.minimum(pair_end, (pair_block + 1) * block) - np.maximum(pair_start, pair_block * block)
+    else:
+        pair_q, seen = q, visible
     # pairs go by query, root first, so each query's blocks are non-decreasing: merging repeats
     # of the previous (block, query) leaves each once, and grouping by block keeps queries sorted
-    new = np.flatnonzero(np.concatenate(
-        ([True], (pair_block[1:] != pair_block[:-1]) | (pair_q[1:] != pair_q[:-1]))))
-    items = items_from_groups(piece_block[order], piece_node[order], lo[order], hi[order],
-                              pair_block[new], pair_q[new], n_blocks, q_tokens=np.add.reduceat(seen, new))
+    new = np.empty(pair_q.size, dtype=bool)
+    new[0] = True
+    np.not_equal(pair_block[1:], pair_block[:-1], out=new[1:])
+    new[1:] |= pair_q[1:] != pair_q[:-1]
+    new = np.flatnonzero(new)
+    items = items_from_groups(piece_block, piece_node, lo, hi, pair_block[new], pair_q[new], n_blocks,
+                              q_tokens=np.add.reduceat(seen, new))
     return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"

@@ -47,34 +47,37 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     par = tree.parents[kids]
     first = np.flatnonzero(np.concatenate(([True], par[1:] != par[:-1])))
     sib = np.repeat(first, np.diff(np.append(first, kids.size)))  # each edge's first sibling
-    # terms of the child on its own
+    # terms of the child on its own (``a_pad_q_l`` and ``b_nq`` are the leading products of two
+    # terms of split_q)
     nq, len_l = rows[kids], tree.lengths[kids]
     rows_v = rows[par]
     pad_q_l = _padding(nq, tq)
     pad_l = a * pad_q_l * len_l
     kv_l = b * nq * _padding(np.minimum(len_l, tc), tc)
     reduce_l = g * nq
+    a_pad_q_l, b_nq = a * pad_q_l, b * nq
     # a node's group reads the tokens from the top of its glued chain: path tokens since the top
     through = topo.path_tokens + tree.lengths
     depth_bits = int(topo.depth.max()).bit_length()
+    ids = np.arange(glued.size)
     while True:
-        top = np.where(glued, tree.parents, np.arange(glued.size))
+        top = np.where(glued, tree.parents, ids)
         for _ in range(depth_bits):
             top = top[top]
-        length = through - topo.path_tokens[top]
-        len_v = length[par]
+        len_v = (through - topo.path_tokens[top])[par]
         len_lv = len_v + len_l
         pad_kv_v = _padding(np.minimum(len_v, tc), tc)
-        moved = np.where(glued[kids], nq, 0)  # rows that glued children take from the parent
-        taken = np.cumsum(moved)
-        nq_cur = rows_v - (taken - moved - taken[sib] + moved[sib])  # earlier siblings only
+        assigned = glued[kids]
+        moved = nq * assigned  # rows that glued children take from the parent
+        before = np.cumsum(moved) - moved
+        nq_cur = rows_v - (before - before[sib])  # earlier siblings only
         nq_rest = nq_cur - nq
         split_kv = (a * _padding(nq_cur, tq) * len_v + b * nq_cur * pad_kv_v + pad_l + kv_l
                     + reduce_l)
         split_q = (a * _padding(nq_rest, tq) * len_v + b * nq_rest * pad_kv_v
-                   + a * pad_q_l * len_lv + b * nq * _padding(np.minimum(len_lv, tc), tc))
+                   + a_pad_q_l * len_lv + b_nq * _padding(np.minimum(len_lv, tc), tc))
         now = split_kv > split_q
-        if np.array_equal(now, glued[kids]):
+        if np.array_equal(now, assigned):
             return glued
         glued[kids] = now
 

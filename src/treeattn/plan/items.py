@@ -15,7 +15,7 @@ import numpy as np
 
 from treeattn.tree import DecodingTree, ranges
 
-__all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items"]
+__all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items", "with_item_len"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,12 @@ class WorkItems:
             None if self.q_tokens is None else self.q_tokens[qs])
 
 
+def with_item_len(items: WorkItems, item_len: np.ndarray) -> WorkItems:
+    """``items`` with :attr:`~WorkItems.item_len` set to ``item_len``, which the caller knows."""
+    items.__dict__["item_len"] = item_len  # (the cached property's slot)
+    return items
+
+
 def _indptr(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(counts.size + 1, dtype=np.int64)
     np.cumsum(counts, out=out[1:])
@@ -118,9 +124,9 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     n = items.num_items
     length = items.item_len
     max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
-    chunks = np.maximum(1, -(-length // max_len))
-    if (chunks == 1).all():
+    if not (length > max_len).any():
         return items
+    chunks = np.maximum(1, -(-length // max_len))
     chunk_len = -(-length // chunks)
     chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
     chunks = np.maximum(1, -(-length // chunk_len))
@@ -168,33 +174,34 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
     the bottom of such a chain on their path.
     """
-    q, node = tree.effective_paths  # zero-length nodes kept: they can carry glue
-    nxt_same = np.append(q[1:] == q[:-1], False)
-    nxt_node = np.append(node[1:], -1)
-    bottom = ~nxt_same | ~glued[np.maximum(nxt_node, 0)] | (nxt_node < 0)
-    # chain of every node: walk up while glued; step k of the walk is the k-th ancestor, which
-    # goes k slots before the node's own (last) slot of its chain
-    n = tree.num_nodes
-    owner, seg, step = [np.arange(n)], [np.arange(n)], 0
-    alive, cur = owner[0], seg[0]
-    while alive.size:
-        up = glued[cur] & (tree.parents[cur] >= 0)
-        alive, cur = alive[up], tree.parents[cur[up]]
-        owner.append(alive)
-        seg.append(cur)
-        step += 1
-    steps = np.repeat(np.arange(step + 1), [a.size for a in owner])
-    owner, seg = np.concatenate(owner), np.concatenate(seg)
-    chain_len = np.bincount(owner, minlength=n)
-    chain_end = np.cumsum(chain_len)
-    chain = np.empty(owner.size, dtype=np.int64)
-    chain[chain_end[owner] - 1 - steps] = seg
+    n, parents, depth = tree.num_nodes, tree.parents, tree.topology.depth
+    glued = glued & (parents >= 0)
+    # top of each node's chain, by pointer jumping
+    top = np.where(glued, parents, np.arange(n))
+    for _ in range(int(depth.max()).bit_length()):
+        top = top[top]
+    chain_len = depth - depth[top] + 1
+    seg_indptr = _indptr(chain_len)
+    # chain of every node: walk up from its own (last) slot of the chain, one level per step
+    chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
+    pos, cur = seg_indptr[1:] - 1, np.arange(n)
+    chain[pos] = cur
+    cur = np.flatnonzero(chain_len > 1)
+    pos = pos[cur]
+    while cur.size:
+        pos, cur = pos - 1, parents[cur]
+        chain[pos] = cur
+        up = glued[cur]
+        pos, cur = pos[up], cur[up]
     extent = tree.node_extent
-    csum = np.concatenate(([0], np.cumsum(extent[chain])))
-    item_len = csum[chain_end] - csum[chain_end - chain_len]
-    # a query sees its items whole, but for the item ending at its own (effective) node, whose
-    # first eff_prefix tokens it sees
-    b, last = node[bottom], ~nxt_same[bottom]
-    q_tokens = item_len[b] - np.where(last, extent[b] - tree.effective_queries[1][q[bottom]], 0)
-    return items_from_groups(np.repeat(np.arange(n), chain_len), chain, np.zeros_like(chain),
-                             extent[chain], b, q[bottom], n, q_tokens=q_tokens)
+    seg_hi = extent[chain]
+    item_len = _segment_sum(seg_hi, seg_indptr)
+    # pairs by node: a pair's node is the bottom of a chain unless the next node on its query's
+    # path is glued to it; a query sees its items whole, but for the item ending at its own
+    # (effective) node, of which it sees the first ``visible`` tokens
+    q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
+    bottom = ~np.append(glued, False)[nxt]
+    b = node[bottom]
+    q_tokens = (item_len - extent)[b] + visible[bottom]
+    return with_item_len(WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi,
+                                   _indptr(np.bincount(b, minlength=n)), q[bottom], q_tokens), item_len)

@@ -5,37 +5,28 @@ once; the item count and sizes follow the tree, which balances poorly (DeFT Sec.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups
+from treeattn.plan.items import WorkItems, with_item_len
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
-
-#: node_items of each live tree (``node`` and ``node_chunk`` both start from them; trees and
-#: items are immutable)
-_NODE_ITEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def node_items(tree: DecodingTree) -> WorkItems:
     """One item per node with visible tokens: the node (up to the last token anyone sees) and every
     query seeing part of it."""
-    items = _NODE_ITEMS.get(tree)
-    if items is None:
-        items = _NODE_ITEMS[tree] = _node_items(tree)
-    return items
-
-
-def _node_items(tree: DecodingTree) -> WorkItems:
-    q, node, visible = tree.visible_pairs
+    q, node, _, visible = tree.pairs_by_node
+    seen = visible > 0  # (zero-length nodes have pairs but no visible tokens)
+    if not seen.all():
+        q, node, visible = q[seen], node[seen], visible[seen]
     extent = tree.node_extent
-    nodes = np.flatnonzero(extent > 0)
-    item_of = np.full(tree.num_nodes, -1, dtype=np.int64)
-    item_of[nodes] = np.arange(nodes.size)
-    return items_from_groups(np.arange(nodes.size), nodes, np.zeros_like(nodes), extent[nodes],
-                             item_of[node], q, nodes.size, q_tokens=visible)
+    nodes = np.flatnonzero(extent > 0)  # exactly the nodes of the pairs left
+    q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(node, minlength=tree.num_nodes)[nodes], out=q_indptr[1:])
+    item_len = extent[nodes]
+    items = WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), item_len, q_indptr, q, visible)
+    return with_item_len(items, item_len)
 
 
 def plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:

@@ -25,10 +25,12 @@ def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[W
     chain = tree.lengths.copy()  # len_s: tokens of the blocks a node's pack reads
     by_depth = np.argsort(topo.depth, kind="stable")
     bounds = (np.flatnonzero(np.diff(topo.depth[by_depth])) + 1).tolist()
+    saved = 4 * size  # tokens' worth of the partial results that merging saves
     for kids in (by_depth[lo:hi] for lo, hi in zip(bounds, bounds[1:] + [by_depth.size])):
-        par = tree.parents[kids]
-        glued[kids] = ~(4 * size[kids] < chain[par])
-        chain[kids] += np.where(glued[kids], chain[par], 0)
+        len_s = chain[tree.parents[kids]]
+        merge = saved[kids] >= len_s
+        glued[kids] = merge
+        chain[kids] += len_s * merge
     items = glued_items(tree, glued)
     length = items.item_len
     used = (length > 0) & (items.item_queries > 0)

@@ -93,16 +93,20 @@ class PlanHost:
     ----------
     kv_slots : int32 [nnz_kv]
         The planned slots (``kv_indices`` on the host).
-    tail_pos, tail_node : int32 [n_tails]
-        Every planned entry that is the last token of its node, and that node.
+    tail_pos : int32 [n_tails]
+        Every planned entry that is the last token of its node.
+    tail_node : intp [n_tails]
+        The node of each.
     mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
         The tree mask on the host (plans with a tree mask).
     work_kv_start, work_kv_end : int32 [W]
-    start_tails, end_tails : int32 [W]
+    start_tails, end_tails : intp [W]
         Tails before each work unit's start and end (``tail_pos < work_kv_start``); fixed for
         the plan's life, as updates only insert entries right after tails.
-    tail_read : bool [N]
-        Nodes whose last token some work item reads.
+    tail_cover : int64 [n_tails]
+        Work units whose KV range holds each tail (``start_tails <= k < end_tails``).
+    saw_all : bool [Q]
+        Queries that see the whole of their node.
     tree : DecodingTree
         The tree the plan was made for.
     """
@@ -117,7 +121,8 @@ class PlanHost:
     work_kv_end: np.ndarray
     start_tails: np.ndarray
     end_tails: np.ndarray
-    tail_read: np.ndarray
+    tail_cover: np.ndarray
+    saw_all: np.ndarray
     tree: DecodingTree
 
 
@@ -408,9 +413,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
         "query_pos": mask[3], "query_prefix": mask[4]}, device)
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
-    tail_node = seg_node[at_tail]
-    tail_read = np.zeros(tree.num_nodes, dtype=bool)
-    tail_read[tail_node] = True
+    tail_node = seg_node[at_tail].astype(np.intp, copy=False)
+    start_tails = np.searchsorted(tail, work_kv_start)
+    end_tails = np.searchsorted(tail, work_kv_end)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
@@ -421,10 +426,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
-                      tail_node=tail_node.astype(np.int32), mask_lo=h.get("mask_lo"),
+                      tail_node=tail_node, mask_lo=h.get("mask_lo"),
                       mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
-                      start_tails=np.searchsorted(tail, work_kv_start).astype(np.int32),
-                      end_tails=np.searchsorted(tail, work_kv_end).astype(np.int32),
-                      tail_read=tail_read, tree=tree),
+                      start_tails=start_tails, end_tails=end_tails,
+                      tail_cover=np.cumsum(np.bincount(start_tails, minlength=tail.size + 1)
+                                           - np.bincount(end_tails, minlength=tail.size + 1))[:-1],
+                      saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
     )
