@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from treeattn import DecodingTree
 from treeattn.plan import Plan
 from treeattn.reference import visibility_mask
-from treeattn.tree import ranges
+from treeattn.topology import ranges
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 

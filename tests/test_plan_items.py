@@ -7,7 +7,7 @@ from helpers import random_tree
 from treeattn import HeadConfig
 from treeattn.plan import PLANNERS, CostModel
 from treeattn.plan.items import WorkItems, items_from_groups, split_long_items
-from treeattn.tree import ranges
+from treeattn.topology import ranges
 
 
 def split_reference(items: WorkItems, max_len, *, align: int = 16) -> WorkItems:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from treeattn.tree import DecodingTree, ranges
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
 
 __all__ = [
     "find_shared", "load_kernel_suite", "suite_trees", "tree_from_spec", "tree_from_block_tables",

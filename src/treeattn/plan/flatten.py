@@ -12,7 +12,8 @@ import numpy as np
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, items_from_groups
 from treeattn.plan.plan import HeadConfig
-from treeattn.tree import DecodingTree, ranges
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
 
 
 def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeattn.tree import DecodingTree, ranges
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
 
 __all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items", "with_item_len"]
 

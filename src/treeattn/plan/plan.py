@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from treeattn.plan.items import WorkItems, group_order
-from treeattn.tree import DecodingTree, ranges
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
 
 __all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "build_plan", "launch_shapes"]
 
