@@ -13,7 +13,19 @@ __all__ = ["Topology", "Structure", "ancestor_table", "build_topology", "childre
 
 
 @dataclass(frozen=True)
-class Topology:
+class _Shape:
+    """The part of a :class:`Topology` that depends only on the parents."""
+
+    depth: np.ndarray
+    order: np.ndarray
+    tin: np.ndarray
+    tout: np.ndarray
+    child_indptr: np.ndarray
+    child_indices: np.ndarray
+
+
+@dataclass(frozen=True)
+class Topology(_Shape):
     """Derived tree structure, computed once per tree (vectorised, no per-node Python loop
     except one numpy step per tree level).
 
@@ -34,12 +46,6 @@ class Topology:
         Offset of each node's first token in the depth-first flattened token order.
     """
 
-    depth: np.ndarray
-    order: np.ndarray
-    tin: np.ndarray
-    tout: np.ndarray
-    child_indptr: np.ndarray
-    child_indices: np.ndarray
     path_tokens: np.ndarray
     flat_start: np.ndarray
 
@@ -56,18 +62,6 @@ def ancestor_table(parents: np.ndarray) -> np.ndarray:
         node = int(np.flatnonzero(bad)[0])
         raise ValueError(f"malformed tree: node {node} is on or below a cycle of parent links")
     return up
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """The part of a :class:`Topology` that depends only on the parents."""
-
-    depth: np.ndarray
-    order: np.ndarray
-    tin: np.ndarray
-    tout: np.ndarray
-    child_indptr: np.ndarray
-    child_indices: np.ndarray
 
 
 def _shape(parents: np.ndarray) -> _Shape:
@@ -118,11 +112,7 @@ def build_topology(shape: _Shape, lengths: np.ndarray) -> Topology:
     delta[shape.tin] = lengths
     np.subtract.at(delta, shape.tout, lengths)
     path = np.cumsum(delta)[shape.tin] - lengths
-    return Topology(
-        depth=shape.depth, order=shape.order, tin=shape.tin, tout=shape.tout,
-        child_indptr=shape.child_indptr, child_indices=shape.child_indices, path_tokens=path,
-        flat_start=flat,
-    )
+    return Topology(**vars(shape), path_tokens=path, flat_start=flat)
 
 
 def root_paths(parents: np.ndarray, depth: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items", "with_item_len"]
+__all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items"]
 
 
 @dataclass(frozen=True)
@@ -71,12 +71,6 @@ class WorkItems:
             self.seg_lo[seg], self.seg_hi[seg],
             _indptr(self.q_indptr[keep + 1] - self.q_indptr[keep]), self.q_indices[qs],
             None if self.q_tokens is None else self.q_tokens[qs])
-
-
-def with_item_len(items: WorkItems, item_len: np.ndarray) -> WorkItems:
-    """``items`` with :attr:`~WorkItems.item_len` set to ``item_len``, which the caller knows."""
-    items.__dict__["item_len"] = item_len  # (the cached property's slot)
-    return items
 
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
@@ -204,5 +198,5 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     bottom = ~np.append(glued, False)[nxt]
     b = node[bottom]
     q_tokens = (item_len - extent)[b] + visible[bottom]
-    return with_item_len(WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi,
-                                   _indptr(np.bincount(b, minlength=n)), q[bottom], q_tokens), item_len)
+    return WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi, _indptr(np.bincount(b, minlength=n)),
+                     q[bottom], q_tokens)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, with_item_len
+from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
@@ -24,9 +24,7 @@ def node_items(tree: DecodingTree) -> WorkItems:
     nodes = np.flatnonzero(extent > 0)  # exactly the nodes of the pairs left
     q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
     np.cumsum(np.bincount(node, minlength=tree.num_nodes)[nodes], out=q_indptr[1:])
-    item_len = extent[nodes]
-    items = WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), item_len, q_indptr, q, visible)
-    return with_item_len(items, item_len)
+    return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), extent[nodes], q_indptr, q, visible)
 
 
 def plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
