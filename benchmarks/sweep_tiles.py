@@ -68,14 +68,13 @@ def main():
     for name, factory, hq, hkv, dtype in CASES[:4] if args.quick else CASES:
         tree = factory()
         heads = HeadConfig(hq, hkv, d, dtype)
-        slots = tree.num_slots if hasattr(tree, "num_slots") else tree.num_tokens
+        auto = make_plan(tree, heads, strategy="auto", device="cuda", cost=cost)
         q = torch.randn(tree.num_queries, hq, d, device="cuda", dtype=dtype)
-        k = torch.randn(-(-slots // tree.page_size), tree.page_size, hkv, d, device="cuda", dtype=dtype)
+        k = torch.randn(-(-auto.min_slots // tree.page_size), tree.page_size, hkv, d, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
         out = torch.empty_like(q)
         flops = 4.0 * hq * d * float(tree.visible_tokens.sum())
         roof = roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, d, bw)
-        auto = make_plan(tree, heads, strategy="auto", device="cuda", cost=cost)
         row = {"case": name, "hq": hq, "hkv": hkv, "roofline_us": roof, "tflop": flops / 1e12,
                "auto": auto.strategy, "variants": {}}
 
