@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from helpers import TOL, forests, random_tree, rel_l2
 from treeattn import STRATEGIES, KVPool, TreeAttention, reference_attention
+from treeattn.plan import CostModel
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
 TREES = {
@@ -177,3 +178,21 @@ def test_single_row_queries_skip_the_merge(rng, strategy, spec):
         assert plan.num_direct == 0 and merged == tree.num_queries
     else:  # queries on inner nodes see one item, the others several
         assert plan.num_direct > 0 and merged > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_balance_split_of_a_verification_tree(rng, dtype):
+    """Tall query tiles over one long context among tiny draft-token items: greedy splits the
+    context by its fair share of the work (the balance path alone: target_programs=1)."""
+    tree = tree_from_medusa(32, context_len=300)
+    q = torch.randn(tree.num_queries, 8, 64).to(dtype)
+    k = torch.randn(tree.num_tokens, 2, 64).to(dtype)
+    v = torch.randn(tree.num_tokens, 2, 64).to(dtype)
+    paged, kc, vc = paged_copy(tree, k, v, 16, rng)
+    o_ref, lse_ref = reference_attention(q, kc, vc, paged)
+    w = TreeAttention(backend="triton", cost=CostModel(target_programs=1, min_split_tokens=64))
+    plan = w.plan(paged, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, strategy="greedy")
+    assert "fair share" in plan.reason
+    out, lse = w.run(q, kc, vc, plan, return_lse=True)
+    assert rel_l2(out, o_ref) <= TOL[dtype]
+    assert rel_l2(lse, lse_ref) <= 1e-5

@@ -8,7 +8,7 @@ from hypothesis import given
 from helpers import expected_coverage, forests, planned_coverage, random_tree
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
-from treeattn.plan.greedy import _assign_edges, _padding
+from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
 from treeattn.plan.items import split_long_items
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import _pair_visibility
@@ -210,3 +210,23 @@ def test_planner_visible_tokens_match_the_tree(rng, strategy):
         if items.q_tokens is not None:
             q_item = np.repeat(np.arange(items.num_items), items.item_queries)
             assert np.array_equal(items.q_tokens, _pair_visibility(tree, items, q_item))
+
+
+def test_greedy_balance_split_follows_the_work():
+    """A Medusa tree over a long context: 2 tall tiles per KV head hold almost all the work, so
+    greedy cuts the context to about work / balance_slots tokens; a 1024-query tree whose tall
+    tiles already fill the GPU is left alone."""
+    heads = HeadConfig(32, 8, 128, torch.float16)
+    cost = CostModel(target_programs=1)
+    tree = tree_from_medusa(64, context_len=3000)
+    items, note = plan_greedy(tree, heads, cost)
+    assert "fair share" in note
+    tiles = -(-(items.item_queries * heads.group) // 128)
+    work = int(tiles @ items.item_len) * heads.num_kv_heads
+    assert items.item_len.max() <= max(cost.min_split_tokens, -(-work // cost.balance_slots)) + 16
+    assert items.item_len.max() < 3000
+    got_q, got_t = planned_coverage(tree, make_plan(tree, heads, strategy="greedy", cost=cost))
+    exp_q, exp_t = expected_coverage(tree)
+    assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t)
+    wide, note = plan_greedy(tree_from_spec("1,1024_2048,32"), heads, cost)
+    assert "fair share" not in note and wide.item_len.max() == 2048

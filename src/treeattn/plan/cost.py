@@ -124,6 +124,10 @@ class CostModel:
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056
     min_split_tokens: int = 256
+    #: concurrent programs a fair share of the work is measured against (greedy's balance
+    #: split): ~1.5 per SM was fastest for Medusa trees over 1K-3K-token contexts
+    #: (benchmarks/sweep_tiles.py)
+    balance_slots: int = 198
     #: DeFT's KV chunk / block size
     deft_chunk_tokens: int = 128
     # FastTree's padding and reduction coefficients (alpha, beta, gamma) and tile sizes

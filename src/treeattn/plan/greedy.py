@@ -6,15 +6,17 @@ separate (edge 0: padding of both groups plus the reduction of ``l``'s extra par
 compared with concatenating ``v``'s context into ``l``'s group (edge 1: padding of the shrunken
 ``v`` group and of the longer ``l`` group). Query counts are measured in rows (queries x GQA
 group) because that is what fills the kernel's query tile. When the resulting groups cannot fill
-the GPU, long contexts are split.
+the GPU, long contexts are split; otherwise contexts whose programs are longer than a fair share
+of the work are (a few tall query tiles over one long context among many tiny items: the
+queries of a speculative token tree).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, glued_items, split_long_items
-from treeattn.plan.plan import HeadConfig
+from treeattn.plan.items import WorkItems, balance_split, glued_items, split_long_items
+from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
 from treeattn.tree import DecodingTree
 
 
@@ -95,4 +97,10 @@ def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple
         max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
         items = split_long_items(items, max_len)
         note = f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
+    elif used.any():
+        items, max_len = balance_split(items, group=heads.group, num_kv_heads=heads.num_kv_heads,
+                                       tile_rows=BLOCK_M_CHOICES[-1], slots=cost.balance_slots,
+                                       min_len=cost.min_split_tokens)
+        if max_len is not None:
+            note = f"; long contexts split at {max_len} tokens (fair share of the work)"
     return items, f"greedy: {int(glued.sum())} edges assigned 1{note}"

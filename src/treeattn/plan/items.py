@@ -16,7 +16,7 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "glued_items", "group_order", "items_from_groups", "split_long_items"]
+__all__ = ["WorkItems", "balance_split", "glued_items", "group_order", "items_from_groups", "split_long_items"]
 
 
 @dataclass(frozen=True)
@@ -158,6 +158,32 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     # already grouped by new item
     return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
                      piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
+
+
+def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
+                  min_len: int) -> tuple[WorkItems, int | None]:
+    """Split the items whose programs are longer than a fair share of the work (PAT's long-KV
+    split, by work rather than by token count).
+
+    A program is one query tile (``tile_rows`` rows of queries x GQA ``group``) of an item for one
+    KV head, and walks the item's tokens. When few programs hold most of the work (many queries
+    verifying a token tree over one long context: a handful of tall tiles, thousands of tiny
+    ones) they run on a few SMs while the rest idle, whatever the program count. The fair share
+    is the total work (tokens walked by all programs) over ``slots`` concurrent programs; items
+    longer than it (and than ``min_len``) are split into chunks of about that length.
+
+    Returns the items and the split length (``None`` when nothing was split).
+    """
+    length, nq = items.item_len, items.item_queries
+    used = (length > 0) & (nq > 0)
+    if not used.any():
+        return items, None
+    tiles = -(-(nq[used] * group) // tile_rows)
+    share = -(-int(tiles @ length[used]) * num_kv_heads // max(1, slots))
+    max_len = max(share, min_len)
+    if int(length[used].max()) <= max_len:
+        return items, None
+    return split_long_items(items, max_len), max_len
 
 
 def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
