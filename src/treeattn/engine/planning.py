@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
+from treeattn.engine.static_plan import StaticPlanBuffer
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -62,6 +63,9 @@ class StepPlanner:
         self._auto: tuple | None = None       # (shape key, chosen strategy, plans left)
         self.last_ms = 0.0
         self.last_reason = ""
+        #: signature of the last plan made with ``pad_to`` (None otherwise)
+        self.last_signature: tuple | None = None
+        self._static = StaticPlanBuffer(self.device) if self.device.type == "cuda" else None
 
     @staticmethod
     def _shape_key(tree: DecodingTree) -> tuple:
@@ -78,11 +82,15 @@ class StepPlanner:
             return self._auto[1]
         return "auto"
 
-    def plan(self, tree: DecodingTree, *, dynamic_prefix: bool = False) -> Plan:
+    def plan(self, tree: DecodingTree, *, dynamic_prefix: bool = False,
+             pad_to: int | None = None) -> Plan:
         """Plan ``tree`` and move the plan to the device.
 
         With ``dynamic_prefix`` the plan always carries a tree mask and a private ``query_prefix``
-        tensor that :meth:`set_prefix` rewrites (decode windows).
+        tensor that :meth:`set_prefix` rewrites (decode windows). With ``pad_to`` (CUDA only) the
+        plan is padded to that many queries and made graph-stable
+        (:class:`~treeattn.engine.static_plan.StaticPlanBuffer`); its signature is left in
+        :attr:`last_signature`.
         """
         t0 = time.perf_counter()
         strategy = self._choose(tree)
@@ -92,17 +100,23 @@ class StepPlanner:
         self.last_reason = plan.reason
         if dynamic_prefix:
             plan = self._masked(plan, tree)
-        plan = self._to_device(plan)
+        self.last_signature = None
+        if pad_to is not None and self._static is not None:
+            static = self._static.place(plan, pad_to)
+            plan, self.last_signature = static.plan, static.signature
+        else:
+            plan = self._to_device(plan)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
 
     def set_prefix(self, plan: Plan, prefix: np.ndarray) -> None:
         """Let query ``j`` of ``plan`` see ``prefix[j]`` tokens of its own node (no host sync)."""
         src = torch.from_numpy(np.ascontiguousarray(prefix, dtype=np.int32))
+        dst = plan.query_prefix[: src.numel()]  # (a padded plan has more queries)
         if self.device.type == "cpu":
-            plan.query_prefix.copy_(src)
+            dst.copy_(src)
         else:
-            plan.query_prefix.copy_(src.pin_memory(), non_blocking=True)
+            dst.copy_(src.pin_memory(), non_blocking=True)
 
     @staticmethod
     def _masked(plan: Plan, tree: DecodingTree) -> Plan:
