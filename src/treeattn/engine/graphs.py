@@ -224,22 +224,12 @@ class DecodeGraphs:
         q, o = b["q"][:m], b["o"][:m]
         segs = self._segments(m)
         graph = torch.cuda.CUDAGraph()
-        # capture_begin/end rather than torch.cuda.graph(): that context manager synchronises and
-        # empties the device and pinned-host caches first, tens of milliseconds in the middle of
-        # decoding (the allocations after it miss the caches too)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
         try:
-            with torch.no_grad(), torch.cuda.stream(side):
-                graph.capture_begin(pool=self._pool)
-                try:
-                    for layer, f in enumerate(segs[:-1]):
-                        f()
-                        attend(layer, q, o)
-                    segs[-1]()
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream().wait_stream(side)
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+                for layer, f in enumerate(segs[:-1]):
+                    f()
+                    attend(layer, q, o)
+                segs[-1]()
         except Exception as e:  # best effort, as for the piecewise graphs
             log.warning("whole-step CUDA graph capture failed (%s: %s); attention stays eager",
                         type(e).__name__, e)
