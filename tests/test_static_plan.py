@@ -1,5 +1,6 @@
 """Graph-stable plans (treeattn.engine.static_plan): padding to capacity classes changes no
 output, and plans of the same shape class share one signature (one CUDA graph)."""
+import numpy as np
 import pytest
 import torch
 

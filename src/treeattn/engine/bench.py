@@ -189,6 +189,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
         "leaked_pages": int(leaked), "wall_s": wall_s,
     }
+    del engine
     return out
 
 
