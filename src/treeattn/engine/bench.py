@@ -118,9 +118,6 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         kind = kinds.get(step)
         state.clear()
         state["kind"] = kind
-        # per-layer attention events need eager attention launches: whole-step graphs only
-        # replay when no hook listens
-        engine.hook = hook if kind == "breakdown" else None
         if kind == "breakdown":
             clock.sync()
             state["t0"] = time.perf_counter()
@@ -148,6 +145,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
 
     engine.precompile_kernels()  # no timed step waits for Triton's JIT
     engine.prepare_graphs(ctl.query_counts())
+    engine.hook = hook
     t_start = time.perf_counter()
     engine.run(ctl, max_steps=total, schedule=schedule, on_step=on_step)
     clock.sync()
@@ -164,8 +162,6 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
     for s in computed:
         used[s.strategy] = used.get(s.strategy, 0) + 1
     graphs = engine.graphs is not None and not engine.graphs.disabled
-    full = {"captures": engine.graphs.full_captures, "replays": engine.graphs.full_replays,
-            "disabled": engine.graphs.full_disabled} if engine.graphs is not None else None
     engine.reset()
     engine.pool.check()
     leaked = engine.pool.num_pages - engine.pool.num_free_pages
@@ -185,7 +181,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
                     "forward_enqueue": host["forward_ms"]},
         "host_overhead": max(0.0, (mean - gpu) / mean) if lat and parts else float("nan"),
         "breakdown_pure": all(p["pure"] for p in parts),
-        "strategies_used": used, "cuda_graphs": graphs, "whole_step_graphs": full,
+        "strategies_used": used, "cuda_graphs": graphs,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
         "leaked_pages": int(leaked), "wall_s": wall_s,
     }

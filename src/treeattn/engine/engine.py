@@ -89,8 +89,7 @@ class TreeEngine:
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
-                 auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 full_graphs: bool = True):
+                 auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -107,8 +106,6 @@ class TreeEngine:
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
-        self.full_graphs = bool(full_graphs) and self.graphs is not None
-        self._static: tuple | None = None   # (plan, signature) of the last graph-stable plan
         self.window = max(1, int(window))
         self.synchronize = synchronize
         self.keep_reserved = keep_reserved
@@ -253,7 +250,7 @@ class TreeEngine:
                     self.kv.drop_reserved(n)
                 h, extra = 1, None
             dtree = self.tree.decoding_tree(nodes, extra=extra)
-            plan = self._plan(dtree, len(nodes), dynamic_prefix=h > 1)
+            plan = self.planner.plan(dtree, dynamic_prefix=h > 1)
             if h > 1:
                 self.planner.set_prefix(plan, np.asarray(own))
             plan_ms = self.planner.last_ms
@@ -300,8 +297,7 @@ class TreeEngine:
         plan, plan_ms, ntok = None, 0.0, 0
         if self.compute:
             dtree = self.tree.decoding_tree([node], drafts=(node, par, dslots))
-            plan = self._plan(dtree, 1 + par.size)
-            plan_ms, ntok = self.planner.last_ms, dtree.num_tokens
+            plan, plan_ms, ntok = self.planner.plan(dtree), self.planner.last_ms, dtree.num_tokens
         tokens = torch.cat((root_token.reshape(1), draft_tokens.reshape(-1)))
         logits = self._forward(tokens, pos, np.concatenate((rslot, dslots)), plan, "verify", t0,
                                plan_ms, ntok)
@@ -358,38 +354,17 @@ class TreeEngine:
             del self._logits[gone]
         return logits
 
-    def _plan(self, dtree, n: int, *, dynamic_prefix: bool = False):
-        """Plan a step of ``n`` new tokens; graph-stable (padded to the graph bucket) when whole
-        steps can be captured."""
-        pad = None
-        if self.full_graphs and not self.graphs.full_disabled and self.graphs.supports(n):
-            pad = self.graphs.bucket(n)
-        plan = self.planner.plan(dtree, dynamic_prefix=dynamic_prefix, pad_to=pad)
-        sig = self.planner.last_signature
-        self._static = (plan, sig) if sig is not None else None
-        return plan
-
     def _ensure_workspace(self, plan) -> None:
         if self.attention.backend == "triton":
             need = plan.workspace_bytes() // 4
             if self._workspace is None or self._workspace.numel() < need:
-                if self.graphs is not None:
-                    self.graphs.drop_full()  # their attention writes into the old workspace
-                # room to grow: every reallocation drops the whole-step graphs
-                self._workspace = torch.empty(max(2 * need, 1 << 20), dtype=torch.float32, device=self.device)
+                self._workspace = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=self.device)
                 self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend)
 
     def _attend_fn(self, plan):
         def attend(layer, q, out=None):
             self._fire("attn_begin", layer)
-            n = q.shape[0]
-            if n < plan.num_queries:  # a graph-stable plan run eagerly: pad the queries
-                qp = q.new_zeros(plan.num_queries, *q.shape[1:])
-                qp[:n] = q
-                o = self.attention.run(qp, *self._paged[layer], plan)[:n]
-                o = o if out is None else out.copy_(o)
-            else:
-                o = self.attention.run(q, *self._paged[layer], plan, out=out)
+            o = self.attention.run(q, *self._paged[layer], plan, out=out)
             self._fire("attn_end", layer)
             return o
         return attend
@@ -402,10 +377,7 @@ class TreeEngine:
         self._ensure_workspace(plan)
         attend = self._attend_fn(plan)
         if self.graphs is not None and self.graphs.supports(len(pos)):
-            sig = self._static[1] if self._static is not None and self._static[0] is plan else None
-            if sig is not None and self.hook is None:
-                return self.graphs.run_static(sig, tokens, pos, slots, attend)
-            return self.graphs.run(tokens, pos, slots, attend, padded=plan.num_queries > len(pos))
+            return self.graphs.run(tokens, pos, slots, attend)
         d = self.device
         return self.model.decode(tokens, upload(pos, d), upload(slots, d), self.kv.caches, attend)
 

@@ -1,20 +1,14 @@
-"""CUDA graphs of the decode forward pass: piecewise, and whole steps.
+"""Piecewise CUDA graphs of the decode forward pass.
 
 Everything between two attention calls (output projection, MLP, the next layer's norm, q/k/v,
 RoPE and KV write) has static shapes for a given number of new tokens, so it is captured once per
-token-count bucket and replayed; the tree attention, whose plan changes every step, runs eagerly
-between the replays. Rows beyond the real tokens of a bucket are padding: they write their K/V to
-a private pad slot and their outputs are ignored.
-
-With a graph-stable plan (:mod:`treeattn.engine.static_plan`) the whole step, attention included,
-is one graph per (bucket, plan signature): captured the second time a signature is seen, replayed
-from then on. That removes the host cost of the eager attention launches (tens of microseconds
-each, 2-4 per layer), which is as long as the GPU work of a small step.
+token-count bucket and replayed; only the tree attention (whose plan changes every step) runs
+eagerly between the replays. Rows beyond the real tokens of a bucket are padding: they write their
+K/V to a private pad slot and their outputs are ignored.
 """
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -25,10 +19,6 @@ log = logging.getLogger(__name__)
 
 #: Token counts graphs are captured for; a step of ``n`` tokens uses the smallest bucket >= n.
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
-#: whole-step graphs kept (the least recently used is dropped first), and plan signatures
-#: remembered while waiting for their second sighting
-MAX_FULL_GRAPHS = 48
-MAX_SEEN = 512
 
 
 class DecodeGraphs:
@@ -48,15 +38,9 @@ class DecodeGraphs:
     def __init__(self, model, kv, *, verify: bool = True):
         self.model, self.kv, self.verify = model, kv, verify
         self.disabled = False
-        self.full_disabled = False
         self.max_diff = 0.0      # largest relative L2 difference graph vs eager seen by check()
-        self.full_captures = 0
-        self.full_replays = 0
         self._graphs: dict[int, list] = {}
-        self._full: OrderedDict = OrderedDict()   # (bucket, signature) -> whole-step graph
-        self._seen: OrderedDict = OrderedDict()
         self._checked: set = set()
-        self._full_checked: set = set()
         self._cap = 0
         self._pool = None
         self._bufs: dict = {}
@@ -72,7 +56,6 @@ class DecodeGraphs:
     def _alloc(self, m: int) -> None:
         c, dev, dt = self.model.config, self.model.device, self.model.dtype
         self._graphs.clear()
-        self._full.clear()
         # a fresh memory pool: capturing into the pool of graphs just destroyed trips the caching
         # allocator (PyTorch's use_count assertion) when a bigger bucket arrives after a smaller one
         self._pool = None
@@ -147,65 +130,25 @@ class DecodeGraphs:
             self.disabled = True
             return False
 
-    def run(self, tokens: torch.Tensor, positions: np.ndarray, slots: np.ndarray, attend, *,
-            padded: bool = False) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, positions: np.ndarray, slots: np.ndarray, attend) -> torch.Tensor:
         """Decode ``n`` tokens; ``attend(layer, q, out)`` writes the attention of ``q [n, Hq, D]``
-        (``[bucket, Hq, D]`` with a ``padded`` plan) into ``out``. Returns float32 logits
-        ``[n, vocab]`` (a fresh tensor). The first run of a bucket is checked against the eager
-        pass when ``verify`` is set."""
+        into ``out``. Returns float32 logits ``[n, vocab]`` (a fresh tensor). The first run of a
+        bucket is checked against the eager pass when ``verify`` is set."""
         m = self.bucket(tokens.numel())
         if m not in self._checked and self.verify:
-            return self.check(tokens, positions, slots, attend, padded=padded)
+            return self.check(tokens, positions, slots, attend)
         if not self.ensure(m):
             return self._eager(tokens, positions, slots, attend)
-        return self._replay(m, tokens, positions, slots, attend, padded=padded)
+        return self._replay(m, tokens, positions, slots, attend)
 
-    def run_static(self, signature: tuple, tokens: torch.Tensor, positions: np.ndarray,
-                   slots: np.ndarray, attend) -> torch.Tensor:
-        """:meth:`run` with a graph-stable plan padded to the bucket (``signature`` from
-        :class:`~treeattn.engine.static_plan.StaticPlanBuffer`): from the second step with this
-        signature on, the whole step is one graph replay. The first whole-step graph of a bucket
-        is checked against the piecewise graphs."""
-        m = self.bucket(tokens.numel())
-        if self.full_disabled or (m not in self._checked and self.verify) or not self.ensure(m):
-            return self.run(tokens, positions, slots, attend, padded=True)
-        key = (m, signature)
-        graph = self._full.get(key)
-        if graph is None:
-            if key not in self._seen:   # capture only signatures that come back
-                self._seen[key] = None
-                if len(self._seen) > MAX_SEEN:
-                    self._seen.popitem(last=False)
-                return self._replay(m, tokens, positions, slots, attend, padded=True)
-            graph = self._capture_full(m, attend)
-            if graph is None:
-                return self._replay(m, tokens, positions, slots, attend, padded=True)
-            self._full[key] = graph
-            if len(self._full) > MAX_FULL_GRAPHS:
-                self._full.popitem(last=False)
-            if m not in self._full_checked and self.verify:
-                self._full_checked.add(m)
-                reference = self._replay(m, tokens, positions, slots, attend, padded=True)
-                graphed = self._replay_full(m, graph, tokens, positions, slots)
-                diff = ((graphed - reference).norm() / reference.norm().clamp_min(1e-30)).item()
-                self.max_diff = max(self.max_diff, diff)
-                if not diff <= 0.05:
-                    log.warning("whole-step CUDA-graph logits differ from piecewise ones (relative "
-                                "L2 %.3g); attention stays eager", diff)
-                    self.full_disabled = True
-                    self._full.clear()
-                return reference
-        self._full.move_to_end(key)
-        return self._replay_full(m, graph, tokens, positions, slots)
-
-    def check(self, tokens, positions, slots, attend, *, padded: bool = False) -> torch.Tensor:
+    def check(self, tokens, positions, slots, attend) -> torch.Tensor:
         """Run the step eagerly and with the graphs (both write the same K/V); keep the graphs only
         when their logits match. Returns the eager logits."""
         m = self.bucket(tokens.numel())
         reference = self._eager(tokens, positions, slots, attend)
         self._checked.add(m)
         if self.ensure(m):
-            graphed = self._replay(m, tokens, positions, slots, attend, padded=padded)
+            graphed = self._replay(m, tokens, positions, slots, attend)
             diff = ((graphed - reference).norm() / reference.norm().clamp_min(1e-30)).item()
             self.max_diff = max(self.max_diff, diff)
             if not diff <= 0.05:
@@ -214,31 +157,7 @@ class DecodeGraphs:
                 self.disabled = True
         return reference
 
-    def drop_full(self) -> None:
-        """Forget every whole-step graph (their attention workspace is about to be freed)."""
-        self._full.clear()
-        self._seen.clear()
-
-    def _capture_full(self, m: int, attend) -> torch.cuda.CUDAGraph | None:
-        b = self._bufs
-        q, o = b["q"][:m], b["o"][:m]
-        segs = self._segments(m)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
-                for layer, f in enumerate(segs[:-1]):
-                    f()
-                    attend(layer, q, o)
-                segs[-1]()
-        except Exception as e:  # best effort, as for the piecewise graphs
-            log.warning("whole-step CUDA graph capture failed (%s: %s); attention stays eager",
-                        type(e).__name__, e)
-            self.full_disabled = True
-            return None
-        self.full_captures += 1
-        return graph
-
-    def _set_inputs(self, m: int, tokens, positions, slots) -> None:
+    def _replay(self, m: int, tokens, positions, slots, attend) -> torch.Tensor:
         n = tokens.numel()
         b = self._bufs
         meta = np.empty(2 * m, dtype=np.int64)
@@ -247,19 +166,7 @@ class DecodeGraphs:
         src = torch.from_numpy(meta)
         b["meta"][: 2 * m].copy_(src.pin_memory() if b["meta"].is_cuda else src, non_blocking=True)
         b["tok"][:n].copy_(tokens)
-
-    def _replay_full(self, m: int, graph, tokens, positions, slots) -> torch.Tensor:
-        self._set_inputs(m, tokens, positions, slots)
-        graph.replay()
-        self.full_replays += 1
-        return self._bufs["logits"][: tokens.numel()].clone()
-
-    def _replay(self, m: int, tokens, positions, slots, attend, *, padded: bool = False) -> torch.Tensor:
-        n = tokens.numel()
-        b = self._bufs
-        self._set_inputs(m, tokens, positions, slots)
-        rows = m if padded else n
-        q, o = b["q"][:rows], b["o"][:rows]
+        q, o = b["q"][:n], b["o"][:n]
         graphs = self._graphs[m]
         for layer, g in enumerate(graphs[:-1]):
             g.replay()

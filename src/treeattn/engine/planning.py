@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
-from treeattn.engine.static_plan import StaticPlanBuffer
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -63,9 +62,6 @@ class StepPlanner:
         self._auto: tuple | None = None       # (shape key, chosen strategy, plans left)
         self.last_ms = 0.0
         self.last_reason = ""
-        #: signature of the last plan made with ``pad_to`` (None otherwise)
-        self.last_signature: tuple | None = None
-        self._static = StaticPlanBuffer(self.device) if self.device.type == "cuda" else None
 
     @staticmethod
     def _shape_key(tree: DecodingTree) -> tuple:
@@ -82,15 +78,11 @@ class StepPlanner:
             return self._auto[1]
         return "auto"
 
-    def plan(self, tree: DecodingTree, *, dynamic_prefix: bool = False,
-             pad_to: int | None = None) -> Plan:
+    def plan(self, tree: DecodingTree, *, dynamic_prefix: bool = False) -> Plan:
         """Plan ``tree`` and move the plan to the device.
 
         With ``dynamic_prefix`` the plan always carries a tree mask and a private ``query_prefix``
-        tensor that :meth:`set_prefix` rewrites (decode windows). With ``pad_to`` (CUDA only) the
-        plan is padded to that many queries and made graph-stable
-        (:class:`~treeattn.engine.static_plan.StaticPlanBuffer`); its signature is left in
-        :attr:`last_signature`.
+        tensor that :meth:`set_prefix` rewrites (decode windows).
         """
         t0 = time.perf_counter()
         strategy = self._choose(tree)
@@ -100,23 +92,17 @@ class StepPlanner:
         self.last_reason = plan.reason
         if dynamic_prefix:
             plan = self._masked(plan, tree)
-        self.last_signature = None
-        if pad_to is not None and self._static is not None:
-            static = self._static.place(plan, pad_to)
-            plan, self.last_signature = static.plan, static.signature
-        else:
-            plan = self._to_device(plan)
+        plan = self._to_device(plan)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
 
     def set_prefix(self, plan: Plan, prefix: np.ndarray) -> None:
         """Let query ``j`` of ``plan`` see ``prefix[j]`` tokens of its own node (no host sync)."""
         src = torch.from_numpy(np.ascontiguousarray(prefix, dtype=np.int32))
-        dst = plan.query_prefix[: src.numel()]  # (a padded plan has more queries)
         if self.device.type == "cpu":
-            dst.copy_(src)
+            plan.query_prefix.copy_(src)
         else:
-            dst.copy_(src.pin_memory(), non_blocking=True)
+            plan.query_prefix.copy_(src.pin_memory(), non_blocking=True)
 
     @staticmethod
     def _masked(plan: Plan, tree: DecodingTree) -> Plan:
