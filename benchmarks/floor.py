@@ -1,0 +1,82 @@
+"""Where the latency floor of small plans goes (one GPU call): CUDA-graph replay time of an empty
+Triton kernel, of the attention and merge launches of small plans separately and together, and of
+a few-shot-like tree, under ``triton.testing.do_bench`` (median, L2 flushed) as the kernel
+benchmark times them. Prints a table; --out writes JSON."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from treeattn import TreeAttention
+from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance, roofline_us
+from treeattn.ops import merge_partials, partial_attention
+from treeattn.workloads import tree_from_spec
+
+CASES = ["1_16", "1_1024", "1,2,64_8,256,32", "1,20_4000,200", "1,50_4000,200", "1,10_4000,400",
+         "1,256_256,32", "256_1024"]
+
+
+@triton.jit
+def _empty_kernel(X):
+    tl.store(X + tl.program_id(0), 1.0)
+
+
+def graph_us(fn) -> float:
+    fn()
+    g = capture_graph(fn)
+    return triton.testing.do_bench(g.replay, return_mode="median", warmup=20, rep=60) * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    res = {**provenance(), "copy_bandwidth_TBps": bw / 1e12, "rows": []}
+    x = torch.zeros(4096, device="cuda")
+    res["empty_1"] = graph_us(lambda: _empty_kernel[(1,)](x))
+    res["empty_1024"] = graph_us(lambda: _empty_kernel[(1024,)](x))
+    res["empty_x2"] = graph_us(lambda: (_empty_kernel[(1,)](x), _empty_kernel[(1,)](x)))
+    print(f"empty kernel: 1 program {res['empty_1']:.1f} us, 1024 programs {res['empty_1024']:.1f} us, "
+          f"two launches {res['empty_x2']:.1f} us", flush=True)
+    d = 128
+    for spec in CASES:
+        tree = tree_from_spec(spec)
+        for hq, hkv in ((32, 8), (32, 32)):
+            q = torch.randn(tree.num_queries, hq, d, device="cuda", dtype=torch.float16)
+            k = torch.randn(tree.num_tokens, 1, hkv, d, device="cuda", dtype=torch.float16)
+            v = torch.randn_like(k)
+            out = torch.empty_like(q)
+            w = TreeAttention(device="cuda")
+            row = {"tree": spec, "hq": hq, "hkv": hkv,
+                   "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, d, bw)}
+            for s in ("auto", "sequence"):
+                plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, strategy=s)
+                rows = plan.num_rows
+                o_part = w._workspace[: rows * hq * d].view(rows, hq, d)
+                l_part = w._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+                att = lambda: partial_attention(q, k, v, plan, o_part, l_part, sm_scale=d ** -0.5, out=out)
+                mrg = lambda: merge_partials(o_part, l_part, plan.merge_q_indices, plan.merge_indptr,
+                                             plan.merge_indices, out, None)
+                row[s] = {"strategy": plan.strategy, "launches": len(plan.launches),
+                          "programs": plan.num_work * hkv, "merged": int(plan.merge_q_indices.numel()),
+                          "total": graph_us(lambda: w.run(q, k, v, plan, out=out)),
+                          "attention": graph_us(att),
+                          "merge": graph_us(mrg) if plan.merge_q_indices.numel() else 0.0}
+            res["rows"].append(row)
+            a, sq = row["auto"], row["sequence"]
+            print(f"{spec:18s} {hq}/{hkv} roof {row['roofline_us']:6.1f} | auto={a['strategy']:8s} "
+                  f"{a['launches']}L {a['programs']:5d}p total {a['total']:6.1f} attn {a['attention']:6.1f} "
+                  f"merge {a['merge']:5.1f} | seq total {sq['total']:6.1f} attn {sq['attention']:6.1f} "
+                  f"merge {sq['merge']:5.1f}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
