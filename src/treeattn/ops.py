@@ -120,33 +120,19 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     if n == 0:
         return
     block_d = triton.next_power_of_2(d)
-    block_h = _merge_block_h(n, heads, block_d)
+    # each program walks its query's partial rows one after another (latency-bound), so give the
+    # grid at least ~1024 programs before packing several heads into one
+    cap = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     _merge_states_kernel[grid](
         o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_R=MERGE_BLOCK_R,
-        WRITE_LSE=lse_out is not None, num_warps=4,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
+        num_warps=4,
     )
-
-
-#: partial rows a merge program loads at once
-MERGE_BLOCK_R = 16
-
-
-def _merge_head_cap(heads: int, block_d: int) -> int:
-    """Most heads one merge program takes: its [BLOCK_R, BLOCK_H, BLOCK_D] fp32 tile of partial
-    outputs stays within 8192 elements (64 registers a thread at 4 warps)."""
-    return min(triton.next_power_of_2(heads), max(1, 8192 // (MERGE_BLOCK_R * block_d)))
-
-
-def _merge_block_h(n: int, heads: int, block_d: int) -> int:
-    """Heads per merge program for ``n`` merged queries: a merge is latency-bound, so give the
-    grid at least ~1024 programs before packing several heads into one."""
-    cap = _merge_head_cap(heads, block_d)
-    return max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
@@ -175,7 +161,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1
-    cap = _merge_head_cap(hq, triton.next_power_of_2(d))
+    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
     for block_h in (1 << k for k in range(cap.bit_length())):
         n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
         o_part, lse_part = torch.zeros(n, hq, d, device=device), torch.zeros(n, hq, device=device)
