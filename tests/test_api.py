@@ -101,7 +101,7 @@ def test_caller_owned_workspace_and_lse():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_merge_states(backend):
+def test_merge_states(backend, device):
     n, s, h, d = 5, 3, 4, 24
     k, v = torch.randn(n, s * 7, h, d, dtype=torch.float64), torch.randn(n, s * 7, h, d, dtype=torch.float64)
     q = torch.randn(n, h, d, dtype=torch.float64)
@@ -116,7 +116,8 @@ def test_merge_states(backend):
     full_lse[0] = torch.logsumexp(torch.stack([parts[0, :, 0], parts[0, :, 2]], 1).reshape(h, -1), -1)
     full_o[0] = (torch.exp(lse[0, 0] - full_lse[0])[:, None] * o[0, 0]
                  + torch.exp(lse[0, 2] - full_lse[0])[:, None] * o[0, 2])
-    mo, ml = merge_states(o.float(), lse.float(), backend=backend)
+    dev = device if backend == "triton" else "cpu"
+    mo, ml = (t.cpu() for t in merge_states(o.float().to(dev), lse.float().to(dev), backend=backend))
     assert rel_l2(mo, full_o) <= 1e-5 and rel_l2(ml, full_lse) <= 1e-6
     with pytest.raises(ValueError, match="N, S, H, D"):
         merge_states(o[0], lse[0])
@@ -135,3 +136,19 @@ def test_pool_stays_consistent_after_errors():
     with pytest.raises(TypeError, match="dtype mismatch"):
         w.run(torch.randn(tree.num_queries, 1, 8, dtype=torch.float16), pool.k_cache(0), pool.v_cache(0), plan)
     pool.check()
+
+
+@pytest.mark.parametrize("s", [1, 16, 37])
+def test_merge_states_many_rows_matches_torch(device, s):
+    """Queries with many partial rows, one of them with no KV at all, against the torch backend."""
+    n, heads, d = 70, 40, 48
+    o = torch.randn(n, s, heads, d)
+    lse = torch.randn(n, s, heads) * 3
+    lse[1] = float("-inf")  # no KV at all: output 0, lse -inf
+    lse[2, : s // 2] = float("-inf")
+    mo, ml = (t.cpu() for t in merge_states(o.to(device), lse.to(device), backend="triton"))
+    ro, rl = merge_states(o, lse, backend="torch")
+    assert torch.isinf(ml[1]).all() and (ml[1] < 0).all() and not mo[1].abs().any()
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[1] = False
+    assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6
