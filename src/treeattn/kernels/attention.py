@@ -131,10 +131,7 @@ def _merge_states_kernel(
     WRITE_LSE: tl.constexpr,
 ):
     """One program = one output row (query ``merge_q_indices[program]``) x BLOCK_H heads:
-    log-sum-exp merge of its partial states, two rows of the merge map at a time (deterministic).
-
-    A merge is latency-bound: each row is an index load and then dependent state loads, so the
-    two rows' loads are issued together to halve the chain."""
+    log-sum-exp merge of its partial states, in the order of the merge map (deterministic)."""
     n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -145,25 +142,17 @@ def _merge_states_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(start, end, 2):
-        # an odd count's last pair reads its row twice and weighs the copy 0
-        has_b = i + 1 < end
-        ra = tl.load(merge_indices + i).to(tl.int64)
-        rb = tl.load(merge_indices + tl.minimum(i + 1, end - 1)).to(tl.int64)
-        lse_a = tl.load(LSE_part + ra * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
-        lse_b = tl.load(LSE_part + rb * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
-        lse_b = tl.where(has_b, lse_b, float("-inf"))
-        o_a = tl.load(O_part + ra * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
-                      mask=hd_mask, other=0.0)
-        o_b = tl.load(O_part + rb * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
-                      mask=hd_mask, other=0.0)
-        m_new = tl.maximum(m, tl.maximum(lse_a, lse_b))
+    for i in range(start, end):
+        r = tl.load(merge_indices + i).to(tl.int64)
+        lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
+        o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
+                    mask=hd_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale_old = tl.exp2((m - m_safe) * LOG2E)
-        w_a = tl.exp2((lse_a - m_safe) * LOG2E)
-        w_b = tl.exp2((lse_b - m_safe) * LOG2E)
-        den = den * scale_old + w_a + w_b
-        acc = acc * scale_old[:, None] + w_a[:, None] * o_a + w_b[:, None] * o_b
+        w = tl.exp2((lse - m_safe) * LOG2E)
+        den = den * scale_old + w
+        acc = acc * scale_old[:, None] + w[:, None] * o
         m = m_new
     has = den > 0.0
     out = acc / tl.where(has, den, 1.0)[:, None]
