@@ -1,7 +1,9 @@
 """Where the latency floor of small plans goes (one GPU call): CUDA-graph replay time of an empty
 Triton kernel, of the attention and merge launches of small plans separately and together, and of
 a few-shot-like tree, under ``triton.testing.do_bench`` (median, L2 flushed) as the kernel
-benchmark times them. Prints a table; --out writes JSON."""
+benchmark times them; then the attention launch of one unsplit work item per KV head against its
+length (the latency of one KV-tile iteration), for a 4-row and a 128-row query tile. Prints
+tables; --out writes JSON."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from treeattn import TreeAttention
+from treeattn import DecodingTree, TreeAttention
+from treeattn.plan import CostModel
 from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance, roofline_us
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.workloads import tree_from_spec
@@ -73,6 +76,25 @@ def main():
                   f"{a['launches']}L {a['programs']:5d}p total {a['total']:6.1f} attn {a['attention']:6.1f} "
                   f"merge {a['merge']:5.1f} | seq total {sq['total']:6.1f} attn {sq['attention']:6.1f} "
                   f"merge {sq['merge']:5.1f}", flush=True)
+    res["single_item"] = []
+    one = TreeAttention(device="cuda", cost=CostModel(target_programs=1, min_split_tokens=1 << 30))
+    for length in (16, 64, 256, 1024, 4096):
+        for queries, strategy in ((1, "sequence"), (32, "node")):
+            tree = DecodingTree.from_parents([-1], [length], query_nodes=[0] * queries,
+                                             query_prefix=[length] * queries)
+            q = torch.randn(tree.num_queries, 32, d, device="cuda", dtype=torch.float16)
+            k = torch.randn(tree.num_tokens, 1, 8, d, device="cuda", dtype=torch.float16)
+            out = torch.empty_like(q)
+            plan = one.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=d, strategy=strategy)
+            rows = plan.num_rows
+            o_part = one._workspace[: rows * 32 * d].view(rows, 32, d)
+            l_part = one._workspace[rows * 32 * d: rows * 32 * (d + 1)].view(rows, 32)
+            t = graph_us(lambda: partial_attention(q, k, k, plan, o_part, l_part, sm_scale=d ** -0.5, out=out))
+            res["single_item"].append({"length": length, "rows": queries * 4, "attention_us": t,
+                                       "launches": [list(map(int, (x.block_m, x.block_n, x.work_end - x.work_start)))
+                                                    for x in plan.launches]})
+            print(f"one item of {length:5d} tokens x {queries * 4:3d} rows (32/8 heads): attention {t:6.1f} us "
+                  f"launches {res['single_item'][-1]['launches']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
