@@ -66,16 +66,11 @@ def _tree_partial_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    offs_n = kv_start + tl.arange(0, BLOCK_N)
-    slot_next = tl.load(kv_indices + offs_n, mask=offs_n < kv_end, other=0)
     for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
         # int64: page * stride overflows int32 on pools over 2 GiB
-        slot = slot_next.to(tl.int64)
-        # the next tile's slots are loaded one iteration ahead: a small program is latency-bound,
-        # and an index load followed by the dependent K/V gather is two memory round trips
-        slot_next = tl.load(kv_indices + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < kv_end, other=0)
+        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
         # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
         page = slot // PAGE_SIZE
         in_page = slot % PAGE_SIZE
