@@ -18,7 +18,9 @@ and the served throughput, ``completed / (wall - mean latency)``, is at least
 first arrival to the last completion; subtracting the mean latency removes the drain of the last
 requests, which a stable server also needs). The target compares ``--candidate`` (auto) with
 ``--baseline`` (sequence): mean TPOT at the highest rate the baseline sustains must be at least
-``--target-reduction`` (30%) lower.
+``--target-reduction`` (30%) lower. The first server of a fresh device session has measured
+1.3-1.8x slower whichever strategy it ran (benchmarks/NOTES.md); list the strategies as
+``sequence,auto,auto,sequence`` to cancel such order effects (each strategy counts with its mean).
 
 Time: ``--time-budget`` bounds the whole sweep. Each strategy gets an equal share of what is
 left when it starts (a strategy that finishes early leaves its time to the next); a rate starts
@@ -340,26 +342,34 @@ def _mean_tpot(run) -> float | None:
 
 def evaluate_target(runs: list, *, baseline: str = "sequence", candidate: str = "auto",
                     min_reduction: float = 0.30) -> dict:
-    """Mean-TPOT reduction of ``candidate`` vs ``baseline`` at the highest rate the baseline sustains."""
-    by = {(r["strategy"], r["rate"]): r for r in runs if r.get("summary")}
+    """Mean-TPOT reduction of ``candidate`` vs ``baseline`` at the highest rate the baseline
+    sustains. A strategy run several times (``--strategies sequence,auto,auto,sequence``, which
+    cancels run-order effects) counts with the mean of its mean TPOTs, and sustains a rate only
+    if every run did."""
+    groups: dict = {}
+    for r in runs:
+        if r.get("summary") and _mean_tpot(r) is not None:
+            groups.setdefault((r["strategy"], r["rate"]), []).append(r)
+    tpot = {k: sum(_mean_tpot(r) for r in g) / len(g) for k, g in groups.items()}
+    sustained = {k: all(r.get("sustained") for r in g) for k, g in groups.items()}
     out = {"baseline": baseline, "candidate": candidate, "min_reduction": min_reduction,
            "sequence_max_sustained_rate": None, "tpot_reduction_at_that_rate": None, "pass": False,
-           "tpot_reduction_by_rate": {}}
-    for (s, rate), r in sorted(by.items(), key=lambda kv: kv[0][1]):
-        c = by.get((candidate, rate))
-        if s == baseline and c is not None and _mean_tpot(r) and _mean_tpot(c) is not None:
-            out["tpot_reduction_by_rate"][str(rate)] = 1.0 - _mean_tpot(c) / _mean_tpot(r)
-    ok = [rate for (s, rate), r in by.items() if s == baseline and r.get("sustained")]
+           "tpot_reduction_by_rate": {}, "runs_per_strategy_and_rate": {f"{s}@{r}": len(g) for (s, r), g in groups.items()}}
+    for (s, rate), t in sorted(tpot.items(), key=lambda kv: kv[0][1]):
+        c = tpot.get((candidate, rate))
+        if s == baseline and c is not None and t:
+            out["tpot_reduction_by_rate"][str(rate)] = 1.0 - c / t
+    ok = [rate for (s, rate) in tpot if s == baseline and sustained[(s, rate)]]
     if not ok:
         out["note"] = f"{baseline} sustained none of the rates run"
         return out
     rate = max(ok)
     out["sequence_max_sustained_rate"] = rate
-    c = by.get((candidate, rate))
-    if c is None or _mean_tpot(c) is None or not _mean_tpot(by[(baseline, rate)]):
+    c = tpot.get((candidate, rate))
+    if c is None or not tpot[(baseline, rate)]:
         out["note"] = f"no {candidate} result with a TPOT at rate {rate}"
         return out
-    red = 1.0 - _mean_tpot(c) / _mean_tpot(by[(baseline, rate)])
+    red = 1.0 - c / tpot[(baseline, rate)]
     out["tpot_reduction_at_that_rate"] = red
     out["pass"] = bool(red >= min_reduction)
     return out
@@ -523,8 +533,12 @@ def main(argv=None) -> int:
             stem = out.stem
             port = args.port + k if args.port else free_port(args.host)
             url = f"http://{args.host}:{port}"
-            server = Server(server_command(args, strategy, port), url, log_dir / f"{stem}_{strategy}_server.log")
-            info = result["servers"][strategy] = {"command": " ".join(server.cmd), "log": str(server.log_path)}
+            # a strategy listed again (A,B,B,A) gets its own server, log and keys
+            name = strategy if args.strategy_list.index(strategy) == k else f"{strategy}#{k}"
+            server = Server(server_command(args, strategy, port), url,
+                            log_dir / f"{stem}_{name.replace('#', '_')}_server.log")
+            info = result["servers"][name] = {"command": " ".join(server.cmd), "log": str(server.log_path)}
+            first_run, first_skip = len(result["runs"]), len(result["skipped"])
             if share_end - now < args.duration + MIN_DRAIN_S + STOP_MARGIN_S:
                 skip(strategy, args.rate_list, "time budget spent before the server started")
                 save()
@@ -544,7 +558,7 @@ def main(argv=None) -> int:
                         w = {"error": f"{type(e).__name__}: {e}"}
                     h = wait_idle(url, args.idle_timeout, server)
                     w.update(wall_s=time.monotonic() - t0, server=h)
-                    result["warmup"][strategy] = w
+                    result["warmup"][name] = w
                     log.info("%s: warm-up took %.1f s%s", strategy, w["wall_s"],
                              f" ({_fmt(w)})" if "ttft" in w else f" ({w.get('error')})")
                 save()
@@ -581,8 +595,8 @@ def main(argv=None) -> int:
             except ServerError as e:
                 info["error"] = str(e)
                 log.error("%s: %s", strategy, e)
-                done = {r["rate"] for r in result["runs"] if r["strategy"] == strategy}
-                skipped = {s["rate"] for s in result["skipped"] if s["strategy"] == strategy}
+                done = {r["rate"] for r in result["runs"][first_run:]}
+                skipped = {s["rate"] for s in result["skipped"][first_skip:]}
                 rest = [r for r in args.rate_list if r not in done | skipped]
                 if rest:
                     skip(strategy, rest, f"server error: {str(e).splitlines()[0]}")

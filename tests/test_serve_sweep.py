@@ -65,6 +65,18 @@ def test_evaluate_target(sweep):
     assert t["sequence_max_sustained_rate"] is None and not t["pass"]
 
 
+def test_evaluate_target_averages_repeated_strategies(sweep):
+    """An A,B,B,A sweep: each strategy counts with the mean of its runs, and sustains a rate only
+    if every run did."""
+    runs = [_run("sequence", 2.0, 30.0), _run("auto", 2.0, 20.0), _run("auto", 2.0, 16.0),
+            _run("sequence", 2.0, 20.0)]
+    t = sweep.evaluate_target(runs)
+    assert t["tpot_reduction_at_that_rate"] == pytest.approx(1 - 18.0 / 25.0)
+    assert t["runs_per_strategy_and_rate"] == {"sequence@2.0": 2, "auto@2.0": 2}
+    t = sweep.evaluate_target(runs[:3] + [_run("sequence", 2.0, 20.0, False)])
+    assert t["sequence_max_sustained_rate"] is None and not t["pass"]
+
+
 def test_plot_and_json(sweep, tmp_path):
     runs = [_run("sequence", 1.0, 20.0), _run("sequence", 2.0, 30.0, False), _run("auto", 1.0, 16.0),
             _run("auto", 2.0, 18.0), {"strategy": "auto", "rate": 4.0, "error": "boom"}]
