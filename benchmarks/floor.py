@@ -15,7 +15,7 @@ import triton.language as tl
 
 from treeattn import DecodingTree, TreeAttention
 from treeattn.plan import CostModel
-from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance, roofline_us
+from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.workloads import tree_from_spec
 
@@ -28,10 +28,9 @@ def _empty_kernel(X):
     tl.store(X + tl.program_id(0), 1.0)
 
 
-def graph_us(fn) -> float:
-    fn()
-    g = capture_graph(fn)
-    return triton.testing.do_bench(g.replay, return_mode="median", warmup=20, rep=60) * 1e3
+
+def floor_us(fn) -> float:
+    return graph_us(fn, warmup=20, rep=60)
 
 
 def main():
@@ -41,9 +40,9 @@ def main():
     bw = copy_bandwidth()
     res = {**provenance(), "copy_bandwidth_TBps": bw / 1e12, "rows": []}
     x = torch.zeros(4096, device="cuda")
-    res["empty_1"] = graph_us(lambda: _empty_kernel[(1,)](x))
-    res["empty_1024"] = graph_us(lambda: _empty_kernel[(1024,)](x))
-    res["empty_x2"] = graph_us(lambda: (_empty_kernel[(1,)](x), _empty_kernel[(1,)](x)))
+    res["empty_1"] = floor_us(lambda: _empty_kernel[(1,)](x))
+    res["empty_1024"] = floor_us(lambda: _empty_kernel[(1024,)](x))
+    res["empty_x2"] = floor_us(lambda: (_empty_kernel[(1,)](x), _empty_kernel[(1,)](x)))
     print(f"empty kernel: 1 program {res['empty_1']:.1f} us, 1024 programs {res['empty_1024']:.1f} us, "
           f"two launches {res['empty_x2']:.1f} us", flush=True)
     d = 128
@@ -59,17 +58,15 @@ def main():
                    "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, d, bw)}
             for s in ("auto", "sequence"):
                 plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, strategy=s)
-                rows = plan.num_rows
-                o_part = w._workspace[: rows * hq * d].view(rows, hq, d)
-                l_part = w._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+                o_part, l_part = w.partial_buffers(plan)
                 att = lambda: partial_attention(q, k, v, plan, o_part, l_part, sm_scale=d ** -0.5, out=out)
                 mrg = lambda: merge_partials(o_part, l_part, plan.merge_q_indices, plan.merge_indptr,
                                              plan.merge_indices, out, None)
                 row[s] = {"strategy": plan.strategy, "launches": len(plan.launches),
                           "programs": plan.num_work * hkv, "merged": int(plan.merge_q_indices.numel()),
-                          "total": graph_us(lambda: w.run(q, k, v, plan, out=out)),
-                          "attention": graph_us(att),
-                          "merge": graph_us(mrg) if plan.merge_q_indices.numel() else 0.0}
+                          "total": floor_us(lambda: w.run(q, k, v, plan, out=out)),
+                          "attention": floor_us(att),
+                          "merge": floor_us(mrg) if plan.merge_q_indices.numel() else 0.0}
             res["rows"].append(row)
             a, sq = row["auto"], row["sequence"]
             print(f"{spec:18s} {hq}/{hkv} roof {row['roofline_us']:6.1f} | auto={a['strategy']:8s} "
@@ -86,10 +83,8 @@ def main():
             k = torch.randn(tree.num_tokens, 1, 8, d, device="cuda", dtype=torch.float16)
             out = torch.empty_like(q)
             plan = one.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=d, strategy=strategy)
-            rows = plan.num_rows
-            o_part = one._workspace[: rows * 32 * d].view(rows, 32, d)
-            l_part = one._workspace[rows * 32 * d: rows * 32 * (d + 1)].view(rows, 32)
-            t = graph_us(lambda: partial_attention(q, k, k, plan, o_part, l_part, sm_scale=d ** -0.5, out=out))
+            o_part, l_part = one.partial_buffers(plan)
+            t = floor_us(lambda: partial_attention(q, k, k, plan, o_part, l_part, sm_scale=d ** -0.5, out=out))
             res["single_item"].append({"length": length, "rows": queries * 4, "attention_us": t,
                                        "launches": [list(map(int, (x.block_m, x.block_n, x.work_end - x.work_start)))
                                                     for x in plan.launches]})

@@ -10,10 +10,9 @@ import json
 import time
 
 import torch
-import triton
 
 from treeattn import TreeAttention
-from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance, roofline_us
+from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.plan import CostModel
 from treeattn.workloads import tree_from_spec
@@ -23,11 +22,6 @@ CASES = ["1,10_4000,400", "1,1024_2048,32", "1,16,32,64,128,1024_256,128,64,16,1
          "1,256_256,32", "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16"]
 CONFIGS = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3), (32, 2, 2), (128, 8, 2)]
 
-
-def graph_us(fn) -> float:
-    fn()
-    g = capture_graph(fn)
-    return triton.testing.do_bench(g.replay, return_mode="median", warmup=10, rep=40) * 1e3
 
 
 def main():
@@ -53,9 +47,7 @@ def main():
             w = TreeAttention(device="cuda")
 
             def parts_of(plan):
-                rows = plan.num_rows
-                o_part = w._workspace[: rows * hq * d].view(rows, hq, d)
-                l_part = w._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+                o_part, l_part = w.partial_buffers(plan)
                 att = lambda: partial_attention(q, k, v, plan, o_part, l_part, sm_scale=d ** -0.5, out=out)
                 mrg = lambda: merge_partials(o_part, l_part, plan.merge_q_indices, plan.merge_indptr,
                                              plan.merge_indices, out, None)

@@ -19,10 +19,9 @@ import json
 import time
 
 import torch
-import triton
 
 from treeattn import TreeAttention
-from treeattn.bench.timing import capture_graph, copy_bandwidth, provenance, roofline_us
+from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
 from treeattn.plan import CostModel, HeadConfig, PLANNERS, make_plan
 from treeattn.plan.items import split_long_items
 from treeattn.plan.plan import build_plan
@@ -47,11 +46,6 @@ CASES = [
 SPLITS = (4096, 2048, 1024, 512, 256)
 CONFIGS = [(64, 4, 3), (64, 8, 3), (64, 8, 2), (128, 8, 3), (32, 4, 2), (32, 8, 3), (128, 4, 2), (64, 4, 4)]
 
-
-def graph_us(fn) -> float:
-    fn()
-    g = capture_graph(fn)
-    return triton.testing.do_bench(g.replay, return_mode="median", warmup=10, rep=40) * 1e3
 
 
 def main():

@@ -96,6 +96,16 @@ class TreeAttention:
         return self.plan(tree, num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
                          head_dim=h.head_dim, dtype=h.dtype, strategy=plan.requested_strategy)
 
+    def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the workspace that ``run`` gives ``plan``'s partial results: fp32
+        ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (to launch the kernels one by one)."""
+        if self._workspace is None or self._workspace.numel() * 4 < plan.workspace_bytes():
+            raise ValueError("this plan was not made by this wrapper (workspace too small)")
+        rows, hq, d = plan.num_rows, plan.heads.num_qo_heads, plan.heads.head_dim
+        o_part = self._workspace[: rows * hq * d].view(rows, hq, d)
+        lse_part = self._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+        return o_part, lse_part
+
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
             sm_scale: float | None = None, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False):
@@ -141,11 +151,7 @@ class TreeAttention:
         else:
             if q.dtype == torch.float64:
                 raise TypeError("the triton backend supports float16, bfloat16 and float32")
-            if self._workspace is None or self._workspace.numel() * 4 < plan.workspace_bytes():
-                raise ValueError("this plan was not made by this wrapper (workspace too small)")
-            rows = plan.num_rows
-            o_part = self._workspace[: rows * hq * d].view(rows, hq, d)
-            lse_part = self._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+            o_part, lse_part = self.partial_buffers(plan)
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
                               lse_out=lse)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,

@@ -48,6 +48,16 @@ def time_run(wrapper, plan, q, k_cache, v_cache, out) -> tuple[float, float]:
     return eager, replay
 
 
+def graph_us(fn, *, warmup: int = 10, rep: int = 40) -> float:
+    """Median microseconds of a CUDA-graph replay of one call of ``fn`` (``do_bench``, L2
+    flushed between replays)."""
+    import triton
+
+    fn()
+    graph = capture_graph(fn)
+    return triton.testing.do_bench(graph.replay, return_mode="median", warmup=warmup, rep=rep) * 1e3
+
+
 def capture(wrapper, plan, q, k_cache, v_cache, out) -> torch.cuda.CUDAGraph:
     """A CUDA graph of one ``run`` into ``out``."""
     return capture_graph(lambda: wrapper.run(q, k_cache, v_cache, plan, out=out))

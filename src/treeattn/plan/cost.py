@@ -124,10 +124,10 @@ class CostModel:
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056
     min_split_tokens: int = 256
-    #: concurrent programs a fair share of the work is measured against (greedy's balance
-    #: split): ~1.5 per SM was fastest for Medusa trees over 1K-3K-token contexts
+    #: concurrent programs per SM a fair share of the work is measured against (greedy's balance
+    #: split): ~1.5 was fastest for Medusa trees over 1K-3K-token contexts
     #: (benchmarks/sweep_tiles.py)
-    balance_slots: int = 198
+    balance_programs_per_sm: float = 1.5
     #: DeFT's KV chunk / block size
     deft_chunk_tokens: int = 128
     # FastTree's padding and reduction coefficients (alpha, beta, gamma) and tile sizes
@@ -136,6 +136,11 @@ class CostModel:
     fasttree_gamma: float = 4.0
     fasttree_tile_q: int = 16
     fasttree_tile_kv: int = 64
+
+    @property
+    def balance_slots(self) -> int:
+        """Concurrent programs of the balance split: ``num_sms * balance_programs_per_sm``."""
+        return max(1, round(self.num_sms * self.balance_programs_per_sm))
 
     def estimate(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
                  merge_rows_max: int = 1, num_queries: int | None = None,
