@@ -43,6 +43,9 @@ class TreeAttention:
         otherwise.
     cost : CostModel, optional
         Cost model for the balancing planners and ``auto``.
+    streams : int
+        CUDA side streams on which a plan's launches of different tile shapes run beside the
+        first (PAT's multi-stream forward); 0 runs them one after another.
 
     Examples
     --------
@@ -53,7 +56,7 @@ class TreeAttention:
     """
 
     def __init__(self, workspace: torch.Tensor | None = None, *, device=None, backend: str = "auto",
-                 cost: CostModel | None = None):
+                 cost: CostModel | None = None, streams: int = 3):
         if workspace is not None:
             if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32:
                 raise TypeError("workspace must be a float32 torch.Tensor")
@@ -63,6 +66,10 @@ class TreeAttention:
         self.cost = cost or CostModel()
         self._workspace = workspace
         self._owns_workspace = workspace is None
+        if streams < 0:
+            raise ValueError(f"streams must be >= 0, got {streams}")
+        self._streams = (tuple(torch.cuda.Stream(self.device) for _ in range(streams))
+                         if self.backend == "triton" and self.device.type == "cuda" else ())
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:
@@ -153,7 +160,7 @@ class TreeAttention:
                 raise TypeError("the triton backend supports float16, bfloat16 and float32")
             o_part, lse_part = self.partial_buffers(plan)
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                              lse_out=lse)
+                              lse_out=lse, streams=self._streams)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
                            plan.merge_indices, out, lse)
         return (out, lse) if return_lse else out

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 import os
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -68,12 +69,17 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
-                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None) -> None:
+                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                      streams: Sequence[torch.cuda.Stream] = ()) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan``.
 
     Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE) of the rows
     the merge reads. Queries with a single row (``plan.row_direct``) are written straight to
     ``out [Q, Hq, D]`` (and ``lse_out [Q, Hq]`` fp32 when given), which must then be given.
+
+    With CUDA ``streams``, launches after the first run on them (round robin), forked from and
+    joined back into the current stream, so launches of different tile shapes run side by side
+    (PAT's multi-stream forward; a CUDA graph captures them as parallel branches).
     """
     _check_triton_device(q)
     h = plan.heads
@@ -88,7 +94,12 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("this plan writes single-row queries to the output: pass out=")
     out_arg = out if out is not None else o_part  # never written without DIRECT
     lse_arg = lse_out if lse_out is not None else lse_part
-    for launch in plan.launches:
+    side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
+    main = torch.cuda.current_stream(q.device) if side else None
+    for stream in side:  # fork before anything is queued on the main stream
+        stream.wait_stream(main)
+
+    def launch_group(launch) -> None:
         grid = (launch.work_end - launch.work_start, h.num_kv_heads)
         _tree_partial_attention_kernel[grid](
             q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
@@ -106,6 +117,15 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
+
+    for i, launch in enumerate(plan.launches):
+        if i == 0 or not side:
+            launch_group(launch)
+        else:
+            with torch.cuda.stream(side[(i - 1) % len(side)]):
+                launch_group(launch)
+    for stream in side:  # join: the merge (and the caller) see every launch's rows
+        main.wait_stream(stream)
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,

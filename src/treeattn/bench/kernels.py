@@ -29,7 +29,8 @@ def load_anchors(path=None) -> dict:
     return {(r["tree"], r["hq"], r["hkv"]): r for r in rows}
 
 
-def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict) -> dict:
+def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict, *,
+               streams: int = 3) -> dict:
     tree = tree_from_spec(spec)
     dev = torch.device("cuda")
     q = torch.randn(tree.num_queries, hq, HEAD_DIM, device=dev, dtype=torch.float16)
@@ -40,7 +41,7 @@ def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, ancho
            "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bandwidth),
            "us": {}, "graph_us": {}, "plan_ms": {}}
     for s in strategies:
-        w = TreeAttention(device=dev)
+        w = TreeAttention(device=dev, streams=streams)
         t0 = time.perf_counter()
         plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy=s)
         row["plan_ms"][s] = (time.perf_counter() - t0) * 1e3
@@ -121,10 +122,10 @@ def run(args) -> int:
     cases = [(spec, hq, hkv) for spec in suite_trees(args.suite) for hq, hkv in heads]
     rows = []
     for spec, hq, hkv in track(cases, description="bench kernels"):
-        rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors))
+        rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors, streams=args.streams))
         torch.cuda.empty_cache()
     result = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16",
-              "head_dim": HEAD_DIM, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
+              "head_dim": HEAD_DIM, "streams": args.streams, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
               "CUDA-graph replay of run()", "rows": rows, "summary": summarize(rows)}
     console = Console(width=200)
     table = Table("tree", "heads", "req", "tokens", "roof us", *[f"{s} us (x)" for s in strategies],
@@ -153,6 +154,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"])
     p.add_argument("--heads", default="32/32,32/8,64/8")
     p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
+    p.add_argument("--streams", type=int, default=3,
+                   help="side streams for a plan's launches of different tile shapes (0: serial)")
     p.add_argument("--out", default="benchmarks/results/h200_kernels.json")
     p.add_argument("--plot", default="benchmarks/results/h200_kernels.png")
     p.set_defaults(func=run)
