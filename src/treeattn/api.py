@@ -33,8 +33,9 @@ class TreeAttention:
     Parameters
     ----------
     workspace : torch.Tensor, optional
-        fp32 buffer for partial results, owned by the caller; it must hold at least
-        ``plan.workspace_bytes() / 4`` elements. Without it the wrapper allocates (and grows) its
+        fp32 buffer for partial results (16-bit partial outputs of 16-bit inputs are stored in
+        it too), owned by the caller; it must hold at least ``plan.workspace_bytes() / 4``
+        elements. Without it the wrapper allocates (and grows) its
         own buffer in ``plan()``.
     device : torch.device or str, optional
         Where plans live (default: the workspace's device, else CPU).
@@ -45,7 +46,8 @@ class TreeAttention:
         Cost model for the balancing planners and ``auto``.
     streams : int
         CUDA side streams on which a plan's launches of different tile shapes run beside the
-        first (PAT's multi-stream forward); 0 runs them one after another.
+        first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
+        them one after another.
 
     Examples
     --------
@@ -104,13 +106,16 @@ class TreeAttention:
                          head_dim=h.head_dim, dtype=h.dtype, strategy=plan.requested_strategy)
 
     def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of the workspace that ``run`` gives ``plan``'s partial results: fp32
-        ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (to launch the kernels one by one)."""
+        """Views of the workspace that ``run`` gives ``plan``'s partial results:
+        ``o_part [R, Hq, D]`` in ``plan.heads.partial_dtype`` and fp32 ``lse_part [R, Hq]`` (to
+        launch the kernels one by one)."""
         if self._workspace is None or self._workspace.numel() * 4 < plan.workspace_bytes():
             raise ValueError("this plan was not made by this wrapper (workspace too small)")
         rows, hq, d = plan.num_rows, plan.heads.num_qo_heads, plan.heads.head_dim
-        o_part = self._workspace[: rows * hq * d].view(rows, hq, d)
-        lse_part = self._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+        dtype = plan.heads.partial_dtype
+        words = -(-rows * hq * d * dtype.itemsize // 4)  # fp32 words the outputs take
+        o_part = self._workspace[:words].view(dtype)[: rows * hq * d].view(rows, hq, d)
+        lse_part = self._workspace[words: words + rows * hq].view(rows, hq)
         return o_part, lse_part
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
@@ -159,8 +164,11 @@ class TreeAttention:
             if q.dtype == torch.float64:
                 raise TypeError("the triton backend supports float16, bfloat16 and float32")
             o_part, lse_part = self.partial_buffers(plan)
+            # side streams only pay under a CUDA graph: eagerly, each fork and join costs more
+            # host time than the launches' overlap saves (benchmarks/NOTES.md)
+            streams = self._streams if self._streams and torch.cuda.is_current_stream_capturing() else ()
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                              lse_out=lse, streams=self._streams)
+                              lse_out=lse, streams=streams)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
                            plan.merge_indices, out, lse)
         return (out, lse) if return_lse else out

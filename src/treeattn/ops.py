@@ -73,7 +73,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       streams: Sequence[torch.cuda.Stream] = ()) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan``.
 
-    Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE) of the rows
+    Writes ``o_part [R, Hq, D]`` (``plan.heads.partial_dtype``) and ``lse_part [R, Hq]`` (fp32,
+    natural-log LSE) of the rows
     the merge reads. Queries with a single row (``plan.row_direct``) are written straight to
     ``out [Q, Hq, D]`` (and ``lse_out [Q, Hq]`` fp32 when given), which must then be given.
 
@@ -173,7 +174,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         tree = DecodingTree.from_parents([-1], [2], query_nodes=[0, 0], query_prefix=[2, prefix],
                                          page_size=page_size, num_slots=page_size)
         plan = make_plan(tree, heads, strategy="node", device=device)
-        o_part = torch.empty(plan.num_rows, hq, d, device=device)
+        o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
         for (m, n, warps, stages), direct in itertools.product(launch_shapes(heads), (0, plan.num_direct)):
@@ -184,7 +185,8 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
     cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
     for block_h in (1 << k for k in range(cap.bit_length())):
         n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
-        o_part, lse_part = torch.zeros(n, hq, d, device=device), torch.zeros(n, hq, device=device)
+        o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)
+        lse_part = torch.zeros(n, hq, device=device)
         idx = torch.arange(n + 1, dtype=torch.int32, device=device)
         out = torch.empty(n, hq, d, device=device, dtype=dt)
         for lse in (None, torch.empty(n, hq, device=device)):

@@ -3,7 +3,7 @@
 Layouts (validated by the launchers in :mod:`treeattn.ops`):
   q        [Q, Hq, D]                          (last dim contiguous)
   k, v     [num_pages, page_size, Hkv, D]      (last dim contiguous; any other strides)
-  o_part   [R, Hq, D] fp32, lse_part [R, Hq] fp32 (natural log)
+  o_part   [R, Hq, D] fp32 or q's 16-bit dtype, lse_part [R, Hq] fp32 (natural log)
   out      [Q, Hq, D] in q's dtype, lse_out [Q, Hq] fp32 (natural log)
 """
 import triton
@@ -116,8 +116,9 @@ def _tree_partial_attention_kernel(
                  o.to(Out.dtype.element_ty), mask=to_out[:, None] & d_valid[None, :])
         if WRITE_LSE:
             tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=to_out)
-    tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :], o,
-             mask=to_part[:, None] & d_valid[None, :])
+    # partials of 16-bit inputs are 16-bit: o is normalised, so it rounds like the output
+    tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
+             o.to(O_part.dtype.element_ty), mask=to_part[:, None] & d_valid[None, :])
     tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
 
 
@@ -146,7 +147,7 @@ def _merge_states_kernel(
         r = tl.load(merge_indices + i).to(tl.int64)
         lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
         o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
-                    mask=hd_mask, other=0.0)
+                    mask=hd_mask, other=0.0).to(tl.float32)
         m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale_old = tl.exp2((m - m_safe) * LOG2E)

@@ -102,24 +102,24 @@ class CostModel:
     # -- attention kernel. Fitted by benchmarks/fit_cost_model.py on results/h200_kernels.json.
     #: KV bytes per second and tile FLOP/s of one program on its own (its gather loop is
     #: latency-bound; a lone program's 4 warps keep only part of the SM busy)
-    program_bandwidth: float = 22.6e9
-    program_flops: float = 3.67e12
+    program_bandwidth: float = 30.9e9
+    program_flops: float = 2.31e12
     #: SM time of one program's fixed work (index, query and output round trips)
-    program_overhead_s: float = 0.422e-6
+    program_overhead_s: float = 0.408e-6
     #: KV bytes per second one SM streams when full of programs (shared KV mostly hits L2)
-    sm_bandwidth: float = 170e9
+    sm_bandwidth: float = 164e9
     #: tile FLOP/s of one SM (QK^T and PV over the padded block_m x block_n tile)
-    sm_flops: float = 1.4e12
+    sm_flops: float = 1.34e12
     #: extra cost of a KV tile when the plan needs the tree mask (its loads and compares)
-    mask_cost: float = 0.676
+    mask_cost: float = 0.636
     #: exponent of the soft maximum of a launch's SM time and its longest program
-    overlap_exponent: float = 25.0
+    overlap_exponent: float = 55.4
     #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one partial
     #: row on the longest query's chain, latency-bound)
-    launch_overhead_s: float = 5.51e-6
-    merge_step_s: float = 0.168e-6
+    launch_overhead_s: float = 2.70e-6
+    merge_step_s: float = 0.219e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
-    fixed_overhead_s: float = 4.26e-6
+    fixed_overhead_s: float = 10.0e-6
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056
@@ -160,7 +160,9 @@ class CostModel:
         ``tile bytes / sm_bandwidth + tile FLOPs / sm_flops`` and a program ``program_overhead_s``
         more; the launch's SM time is spread over ``num_sms`` SMs, softly no less than its longest
         program on its own (``program_bandwidth``, ``program_flops``), plus
-        ``launch_overhead_s``. Launches run one after another; all of them cannot beat HBM
+        ``launch_overhead_s``. Launches are modelled one after another (under a CUDA graph they
+        overlap on side streams; the fitted constants absorb it, and a model that adds their SM
+        times fitted worse: benchmarks/NOTES.md); all of them cannot beat HBM
         bandwidth for the unique KV (``kv_tokens``, default: every item token) and the partial
         rows written. The tree mask (``masked``) makes every KV tile ``1 + mask_cost`` times
         dearer. Merge: the longest chain of merge steps (``merge_rows_max``), no faster than
@@ -194,7 +196,7 @@ class CostModel:
             attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s
         # every query with a single row: the attention kernel writes the output, no merge launch
         direct = merge_rows_max <= 1 and rows == num_queries
-        partial_bytes = 0 if direct else rows * hq * (d + 1) * 4
+        partial_bytes = 0 if direct else rows * hq * (d * (2 if eb == 2 else 4) + 4)  # 16-bit partials
         attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
         merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth

@@ -42,6 +42,18 @@ class HeadConfig:
     def elem_bytes(self) -> int:
         return self.dtype.itemsize
 
+    @property
+    def partial_dtype(self) -> torch.dtype:
+        """dtype of the partial outputs the merge reads: 16-bit inputs keep 16-bit partials (each
+        is normalised, so it rounds like the output, and the partial traffic halves), fp32 fp32.
+        Their LSEs are always fp32."""
+        return self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+    def partial_row_bytes(self) -> int:
+        """Bytes of one partial row: ``Hq x D`` outputs in :attr:`partial_dtype` and ``Hq`` fp32
+        LSEs."""
+        return self.num_qo_heads * (self.head_dim * self.partial_dtype.itemsize + 4)
+
 
 @dataclass(frozen=True)
 class PlanIO:
@@ -204,8 +216,11 @@ class Plan:
         return self.kv_indices.device
 
     def workspace_bytes(self) -> int:
-        """fp32 bytes of partial outputs and LSEs that :meth:`TreeAttention.run` needs."""
-        return self.num_rows * self.heads.num_qo_heads * (self.heads.head_dim + 1) * 4
+        """Bytes of partial outputs and LSEs that :meth:`TreeAttention.run` needs (a multiple of
+        4: the outputs are padded so that the fp32 LSEs after them stay aligned)."""
+        h = self.heads
+        outputs = self.num_rows * h.num_qo_heads * h.head_dim * h.partial_dtype.itemsize
+        return -(-outputs // 4) * 4 + self.num_rows * h.num_qo_heads * 4
 
     def explain(self) -> str:
         """Why this plan: the strategy, its choice (for ``auto``) and its IO."""
@@ -401,8 +416,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         kv=kv_tok * hkv * d * 2 * eb,
         kv_tile_rereads=(kv_tok_tiles - kv_tok) * hkv * d * 2 * eb,
         queries=int(row_q.size) * hq * d * eb,
-        partial_write=(int(row_q.size) - num_direct) * hq * (d + 1) * 4,
-        partial_read=(int(row_q.size) - num_direct) * hq * (d + 1) * 4,
+        partial_write=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
+        partial_read=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
         mask=(kv_tok_tiles * 3 * 4 * hkv) if needs_mask else 0,
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
