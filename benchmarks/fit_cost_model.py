@@ -45,7 +45,7 @@ START = {"program_bandwidth": 10e9, "program_flops": 1e12, "program_overhead_s":
          "launch_overhead_s": 3e-6, "merge_step_s": 0.5e-6, "fixed_overhead_s": 5e-6}
 HIT = 1.05  # "within 5% of the fastest strategy"
 SOFTMIN_T = 0.02  # temperature (in log time) of the soft choice in the selection loss
-SELECTION_WEIGHT = 1.0
+SELECTION_WEIGHT = 10.0
 
 
 # ----------------------------------------------------------------------------- features
@@ -105,7 +105,7 @@ def predict(x: np.ndarray, feat: dict) -> np.ndarray:
     attn = np.bincount(pid, per_launch, minlength=P.shape[0])
     # every query with a single row: the kernel writes the output, no partials and no merge
     direct = (mrm <= 1) & (rows == nqueries)
-    partial = np.where(direct, 0, rows * hq * (d + 1) * 4)
+    partial = np.where(direct, 0, rows * hq * (d * eb + 4))  # fp16 partial outputs, fp32 LSEs
     attn = np.maximum(attn, (kv_tokens * hkv * tok_bytes + partial) / cm.bandwidth)
     merge = np.maximum(mrm * c["merge_step_s"], (partial + nqueries * hq * d * eb) / cm.bandwidth)
     merge = np.where(direct, 0.0, merge + c["launch_overhead_s"])

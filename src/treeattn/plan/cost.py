@@ -102,24 +102,24 @@ class CostModel:
     # -- attention kernel. Fitted by benchmarks/fit_cost_model.py on results/h200_kernels.json.
     #: KV bytes per second and tile FLOP/s of one program on its own (its gather loop is
     #: latency-bound; a lone program's 4 warps keep only part of the SM busy)
-    program_bandwidth: float = 30.9e9
-    program_flops: float = 2.31e12
+    program_bandwidth: float = 34.5e9
+    program_flops: float = 1.61e12
     #: SM time of one program's fixed work (index, query and output round trips)
-    program_overhead_s: float = 0.408e-6
+    program_overhead_s: float = 0.573e-6
     #: KV bytes per second one SM streams when full of programs (shared KV mostly hits L2)
-    sm_bandwidth: float = 164e9
+    sm_bandwidth: float = 159e9
     #: tile FLOP/s of one SM (QK^T and PV over the padded block_m x block_n tile)
-    sm_flops: float = 1.34e12
+    sm_flops: float = 1.58e12
     #: extra cost of a KV tile when the plan needs the tree mask (its loads and compares)
-    mask_cost: float = 0.636
+    mask_cost: float = 1.22
     #: exponent of the soft maximum of a launch's SM time and its longest program
-    overlap_exponent: float = 55.4
+    overlap_exponent: float = 59.4
     #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one partial
     #: row on the longest query's chain, latency-bound)
-    launch_overhead_s: float = 2.70e-6
-    merge_step_s: float = 0.219e-6
+    launch_overhead_s: float = 1.91e-6
+    merge_step_s: float = 0.407e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
-    fixed_overhead_s: float = 10.0e-6
+    fixed_overhead_s: float = 6.46e-6
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056
