@@ -74,6 +74,9 @@ def summarize(rows) -> dict:
             "best_peer_over_roofline": gm(min(r["peers_us"].values()) / r["roofline_us"] for r in peered),
             "speedup_over_best_peer": gm(min(r["peers_us"].values()) / r["us"]["auto"] for r in peered),
             "cases_faster_than_best_peer": sum(r["us"]["auto"] <= min(r["peers_us"].values()) for r in peered),
+            "graph_speedup_over_best_peer": gm(min(r["peers_us"].values()) / r["graph_us"]["auto"] for r in peered),
+            "graph_cases_faster_than_best_peer": sum(r["graph_us"]["auto"] <= min(r["peers_us"].values())
+                                                     for r in peered),
             "cases_with_peers": len(peered),
         }
     return out

@@ -1,0 +1,120 @@
+"""Host planning cost: ``TreeAttention.plan()`` per strategy and the lazy ``update()`` after one
+decode step (one token appended to every leaf), on the largest kernel-suite trees, pinned to one
+CPU core.
+
+Usage::
+
+    python benchmarks/bench_planning.py [--trees SPEC ...] [--repeats 50] [--out planning.json]
+
+Each time is the median of ``--repeats`` runs after warm-up. ``plan`` times start from a freshly built
+:class:`~treeattn.tree.DecodingTree` each run (only what its constructor caches is reused);
+``update`` times patch the plan of the original tree for a freshly built grown tree, as a serving
+loop does after each step. Building the trees is not timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from treeattn import TreeAttention
+from treeattn.plan import STRATEGIES
+from treeattn.tree import DecodingTree
+from treeattn.workloads import tree_from_spec
+
+#: the largest suite trees: most leaves/levels (greedy's edge loop), most tokens, most queries
+DEFAULT_TREES = (
+    "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16",
+    "1,2,4,8,16,32,64,128,1024_256,128,64,16,16,16,16,16,16",
+    "1,4,16,64,256,1024_256,32,256,64,32,256",
+    "1,4,16,64,256,1024_256,8,256,64,32,256",
+    "256_4096",
+)
+HEADS = {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": torch.float16}
+
+
+def copy_tree(tree: DecodingTree) -> DecodingTree:
+    """The same tree as a new object (so no cached topology or visibility is reused)."""
+    return DecodingTree(tree.parents, tree.lengths, tree.kv_indptr, tree.kv_indices,
+                        tree.query_nodes, tree.query_prefix, tree.page_size, tree.num_slots)
+
+
+def grow_leaves(tree: DecodingTree) -> DecodingTree:
+    """``tree`` after one decode step: every query's node gains one token in a fresh slot."""
+    grown = np.zeros(tree.num_nodes, dtype=np.int64)
+    grown[tree.query_nodes] = 1
+    lengths = tree.lengths + grown
+    indptr = np.concatenate(([0], np.cumsum(lengths)))
+    old = np.ones(indptr[-1], dtype=bool)
+    old[indptr[1:][grown > 0] - 1] = False
+    kv = np.empty(indptr[-1], dtype=np.int64)
+    kv[old] = tree.kv_indices
+    kv[~old] = int(tree.kv_indices.max()) + 1 + np.arange(int(grown.sum()))
+    return DecodingTree.from_parents(tree.parents, lengths, query_nodes=tree.query_nodes,
+                                     kv_indices=kv, page_size=tree.page_size)
+
+
+def median_ms(fn, repeats: int, setup=lambda: None, warmup: int = 3) -> tuple[float, float]:
+    """Median milliseconds of ``fn(setup())`` (``setup`` not timed): wall clock and this
+    thread's CPU time (the latter is robust to other processes sharing the core)."""
+    for _ in range(warmup):
+        fn(setup())
+    wall, cpu = [], []
+    for _ in range(repeats):
+        arg = setup()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        fn(arg)
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+
+def bench_tree(spec: str, repeats: int) -> dict:
+    tree = tree_from_spec(spec)
+    grown = grow_leaves(tree)
+    wrapper = TreeAttention(device="cpu")
+    row = {"tree": spec, "nodes": tree.num_nodes, "tokens": tree.num_tokens, "queries": tree.num_queries,
+           "chosen": None, **{k: {} for k in ("plan_ms", "plan_cpu_ms", "update_ms", "update_cpu_ms")}}
+    for strategy in STRATEGIES:
+        row["plan_ms"][strategy], row["plan_cpu_ms"][strategy] = median_ms(
+            lambda t, s=strategy: wrapper.plan(t, strategy=s, **HEADS), repeats, lambda: copy_tree(tree))
+        plan = wrapper.plan(tree, strategy=strategy, **HEADS)
+        if strategy == "auto":
+            row["chosen"] = plan.strategy
+        assert wrapper.update(plan, grown).num_work == plan.num_work  # patched, not re-planned
+        row["update_ms"][strategy], row["update_cpu_ms"][strategy] = median_ms(
+            lambda t, p=plan: wrapper.update(p, t), repeats, lambda: copy_tree(grown))
+    return row
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", nargs="+", default=list(DEFAULT_TREES), help="kernel-suite specs")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    rows = [bench_tree(spec, args.repeats) for spec in args.trees]
+    cols = STRATEGIES
+    print("median ms per call, wall clock (CPU time of this thread in parentheses)")
+    print(f"{'tree':44s} {'what':6s} " + " ".join(f"{c:>15s}" for c in cols))
+    for r in rows:
+        name = f"{r['tree'][:24]} ({r['tokens'] // 1000}K tok, {r['queries']} q)"
+        for what in ("plan", "update"):
+            wall, cpu = r[what + "_ms"], r[what + "_cpu_ms"]
+            print(f"{name:44s} {what:6s} " + " ".join(f"{wall[c]:7.3f} ({cpu[c]:5.3f})" for c in cols))
+        print(f"{'':44s} auto chose {r['chosen']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"unit": "ms (median)", "repeats": args.repeats, "heads": {k: str(v) for k, v in HEADS.items()},
+                       "trees": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

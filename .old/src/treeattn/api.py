@@ -1,0 +1,237 @@
+"""Public attention API: the plan/run wrapper, the functional form and ``merge_states``."""
+from __future__ import annotations
+
+import torch
+
+from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, merge_partials,
+                          partial_attention)
+from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
+from treeattn.plan.update import update_plan
+from treeattn.reference import merge_states_torch, run_plan_torch
+from treeattn.tree import DecodingTree
+
+__all__ = ["TreeAttention", "tree_attention", "merge_states", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+class TreeAttention:
+    """Prefix-aware attention for a decoding tree over a paged KV cache.
+
+    ``plan()`` runs on the host once per tree (reuse it for every layer and every step until the
+    tree changes); ``run()`` launches the kernels without host synchronisation or allocation
+    (given ``out``), so it can be captured in a CUDA graph.
+
+    Parameters
+    ----------
+    workspace : torch.Tensor, optional
+        fp32 buffer for partial results, owned by the caller; it must hold at least
+        ``plan.workspace_bytes() / 4`` elements. Without it the wrapper allocates (and grows) its
+        own buffer in ``plan()``.
+    device : torch.device or str, optional
+        Where plans live (default: the workspace's device, else CPU).
+    backend : {"auto", "triton", "torch"}
+        "auto" runs the Triton kernels on CUDA tensors and the PyTorch reference backend
+        otherwise.
+    cost : CostModel, optional
+        Cost model for the balancing planners and ``auto``.
+
+    Examples
+    --------
+    >>> wrapper = TreeAttention(device="cuda")
+    >>> plan = wrapper.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    >>> for layer in range(num_layers):
+    ...     o = wrapper.run(q[layer], pool.k_cache(layer), pool.v_cache(layer), plan)
+    """
+
+    def __init__(self, workspace: torch.Tensor | None = None, *, device=None, backend: str = "auto",
+                 cost: CostModel | None = None):
+        if workspace is not None:
+            if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32:
+                raise TypeError("workspace must be a float32 torch.Tensor")
+            device = workspace.device if device is None else device
+        self.device = torch.device(device if device is not None else "cpu")
+        self.backend = _resolve_backend(backend, self.device)
+        self.cost = cost or CostModel()
+        self._workspace = workspace
+        self._owns_workspace = workspace is None
+
+    def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:
+        """Plan one decode step of ``tree`` (host-side); see :data:`treeattn.STRATEGIES`."""
+        if dtype not in SUPPORTED_DTYPES and dtype != torch.float64:
+            raise TypeError(f"dtype {dtype} is not supported; expected float16, bfloat16 or float32")
+        heads = HeadConfig(num_qo_heads, num_kv_heads, head_dim, dtype)
+        plan = make_plan(tree, heads, strategy=strategy, device=self.device, cost=self.cost)
+        need = plan.workspace_bytes() // 4
+        if self._workspace is None or self._workspace.numel() < need:
+            if not self._owns_workspace:
+                raise ValueError(f"workspace holds {self._workspace.numel()} floats but this plan needs "
+                                 f"{need}")
+            self._workspace = torch.empty(max(need, 1), dtype=torch.float32, device=self.device)
+        return plan
+
+    def update(self, plan: Plan, tree: DecodingTree) -> Plan:
+        """``plan`` for ``tree`` after a decode step (PAT's lazy update).
+
+        When ``tree`` is ``plan``'s tree with tokens appended to the tails of nodes the plan
+        already reads (every leaf grew by one token, say), the plan is patched in place of being
+        rebuilt: same work items, longer KV ranges. Otherwise ``tree`` is planned again with
+        ``plan``'s strategy and heads.
+        """
+        patched = update_plan(plan, tree)
+        if patched is not None:
+            need = patched.workspace_bytes() // 4
+            if self._workspace is not None and self._workspace.numel() >= need:
+                return patched
+        h = plan.heads
+        return self.plan(tree, num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
+                         head_dim=h.head_dim, dtype=h.dtype, strategy=plan.requested_strategy)
+
+    def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the workspace that ``run`` gives ``plan``'s partial results: fp32
+        ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (to launch the kernels one by one)."""
+        if self._workspace is None or self._workspace.numel() * 4 < plan.workspace_bytes():
+            raise ValueError("this plan was not made by this wrapper (workspace too small)")
+        rows, hq, d = plan.num_rows, plan.heads.num_qo_heads, plan.heads.head_dim
+        o_part = self._workspace[: rows * hq * d].view(rows, hq, d)
+        lse_part = self._workspace[rows * hq * d: rows * hq * (d + 1)].view(rows, hq)
+        return o_part, lse_part
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
+            sm_scale: float | None = None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False):
+        """Attention of every query of ``plan`` over its visible KV.
+
+        Parameters
+        ----------
+        q : [Q, Hq, D], float16 / bfloat16 / float32 (float64 with the torch backend)
+        k_cache, v_cache : [num_pages, page_size, Hkv, D], same dtype
+            The paged pool: slot ``s`` is ``cache[s // page_size, s % page_size]``.
+        plan : Plan from :meth:`plan`
+        sm_scale : float, default ``1 / sqrt(D)``
+        out : [Q, Hq, D] in q's dtype, optional
+        lse : [Q, Hq] float32, optional (written when given or when ``return_lse``)
+
+        Returns
+        -------
+        out, or ``(out, lse)`` with natural-log fp32 ``lse`` when ``return_lse``.
+        """
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a Plan from TreeAttention.plan, got {type(plan).__name__}")
+        check_attention_inputs(q, k_cache, v_cache, plan)
+        scale = default_scale(plan.heads.head_dim, sm_scale)
+        nq, hq, d = q.shape
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+            raise ValueError(f"out must be a {tuple(q.shape)} {q.dtype} tensor on {q.device}, "
+                             "contiguous in its last dimension")
+        want_lse = return_lse or lse is not None
+        if want_lse and lse is None:
+            lse = torch.empty((nq, hq), dtype=torch.float32, device=q.device)
+        if lse is not None and (lse.shape != (nq, hq) or lse.dtype != torch.float32):
+            raise ValueError(f"lse must be a ({nq}, {hq}) float32 tensor")
+        if self.backend == "torch":
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            o_part, lse_part = run_plan_torch(q, k_cache, v_cache, plan, sm_scale=scale, acc_dtype=acc)
+            o, l = merge_states_torch(o_part, lse_part, plan.merge_indptr, plan.merge_indices,
+                                      out_dtype=q.dtype)
+            out.copy_(o)
+            if lse is not None:
+                lse.copy_(l)
+        else:
+            if q.dtype == torch.float64:
+                raise TypeError("the triton backend supports float16, bfloat16 and float32")
+            o_part, lse_part = self.partial_buffers(plan)
+            partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
+                              lse_out=lse)
+            merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
+                           plan.merge_indices, out, lse)
+        return (out, lse) if return_lse else out
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parents, lengths, *,
+                   query_nodes=None, query_prefix=None, strategy: str = "auto", backend: str = "auto",
+                   sm_scale: float | None = None) -> torch.Tensor:
+    """Attention for a decoding tree over contiguous (unpaged) KV.
+
+    Parameters
+    ----------
+    q : [num_queries, Hq, D]
+    k, v : [sum(lengths), Hkv, D]
+        Node ``i``'s tokens are contiguous, nodes in id order.
+    parents : int sequence [N]
+        ``-1`` marks a root; parents need not precede children.
+    lengths : int sequence [N]
+        Tokens of each node (``>= 0``).
+    query_nodes : int sequence [num_queries], optional
+        Default: one query per leaf, leaves in increasing id order.
+    query_prefix : int sequence [num_queries], optional
+        Tokens of its own node each query sees (default: all).
+    strategy : one of :data:`treeattn.STRATEGIES`
+    backend : {"auto", "triton", "torch"}
+
+    Returns
+    -------
+    o : [num_queries, Hq, D] in q's dtype.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [total_tokens, num_kv_heads, head_dim], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_queries, num_qo_heads, head_dim], got {tuple(q.shape)}")
+    tree = DecodingTree.from_parents(parents, lengths, query_nodes=query_nodes, query_prefix=query_prefix)
+    if k.shape[0] != tree.num_tokens:
+        raise ValueError(f"k holds {k.shape[0]} tokens but the nodes' lengths sum to {tree.num_tokens}")
+    if q.shape[0] != tree.num_queries:
+        raise ValueError(f"q has {q.shape[0]} queries but the tree has {tree.num_queries}")
+    if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads/dim {tuple(q.shape[1:])} do not match k heads/dim {tuple(k.shape[1:])}")
+    wrapper = TreeAttention(device=q.device, backend=backend)
+    plan = wrapper.plan(tree, num_qo_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2],
+                        dtype=q.dtype, strategy=strategy)
+    return wrapper.run(q, k.unsqueeze(1), v.unsqueeze(1), plan, sm_scale=sm_scale)
+
+
+def merge_states(o: torch.Tensor, lse: torch.Tensor, *, backend: str = "auto"):
+    """Merge attention states computed over disjoint KV sets.
+
+    Parameters
+    ----------
+    o : [N, S, H, D]
+        S partial outputs per row, each normalised over its own KV set.
+    lse : [N, S, H] float32
+        Their natural-log log-sum-exp (``-inf`` for an empty KV set).
+
+    Returns
+    -------
+    (o [N, H, D] in o's dtype, lse [N, H] float32)
+    """
+    if o.dim() != 4 or lse.shape != o.shape[:3]:
+        raise ValueError(f"o must be [N, S, H, D] and lse [N, S, H]; got {tuple(o.shape)}, {tuple(lse.shape)}")
+    n, s, h, d = o.shape
+    indptr = torch.arange(0, n * s + 1, s, dtype=torch.int32, device=o.device)
+    indices = torch.arange(n * s, dtype=torch.int32, device=o.device)
+    o_rows = o.reshape(n * s, h, d)
+    lse_rows = lse.reshape(n * s, h)
+    if _resolve_backend(backend, o.device) == "torch":
+        return merge_states_torch(o_rows, lse_rows, indptr, indices, out_dtype=o.dtype)
+    out = torch.empty((n, h, d), dtype=o.dtype, device=o.device)
+    lse_out = torch.empty((n, h), dtype=torch.float32, device=o.device)
+    merge_partials(o_rows.float().contiguous(), lse_rows.float().contiguous(),
+                   torch.arange(n, dtype=torch.int32, device=o.device), indptr, indices, out, lse_out)
+    return out, lse_out

@@ -1,0 +1,1 @@
+"""Benchmarks: device timing helpers and the ``treeattn bench`` commands (CUDA only)."""

@@ -1,0 +1,158 @@
+"""``treeattn bench kernels``: every strategy on the kernel suite against the HBM roofline and the
+peers' measured latencies (shared/anchors/h200_peer_kernels.json).
+
+In one run it measures the device's copy bandwidth, then times each case with
+``triton.testing.do_bench`` (median, L2 flushed between runs), eagerly and as a CUDA-graph replay,
+fp16, head_dim 128.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import torch
+
+from treeattn import STRATEGIES, TreeAttention
+from treeattn.bench.timing import copy_bandwidth, provenance, roofline_us, time_run
+from treeattn.workloads import find_shared, suite_trees, tree_from_spec
+
+PEERS = ("pat_us", "fasttree_us", "flashinfer_decode_us", "flashinfer_cascade_us", "deft_us")
+HEAD_DIM = 128
+
+
+def load_anchors(path=None) -> dict:
+    path = path or find_shared() / "anchors" / "h200_peer_kernels.json"
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    return {(r["tree"], r["hq"], r["hkv"]): r for r in rows}
+
+
+def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict) -> dict:
+    tree = tree_from_spec(spec)
+    dev = torch.device("cuda")
+    q = torch.randn(tree.num_queries, hq, HEAD_DIM, device=dev, dtype=torch.float16)
+    k = torch.randn(tree.num_tokens, 1, hkv, HEAD_DIM, device=dev, dtype=torch.float16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+    row = {"tree": spec, "hq": hq, "hkv": hkv, "requests": tree.num_queries, "tree_tokens": tree.num_tokens,
+           "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bandwidth),
+           "us": {}, "graph_us": {}, "plan_ms": {}}
+    for s in strategies:
+        w = TreeAttention(device=dev)
+        t0 = time.perf_counter()
+        plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy=s)
+        row["plan_ms"][s] = (time.perf_counter() - t0) * 1e3
+        row["us"][s], row["graph_us"][s] = time_run(w, plan, q, k, v, out)
+        if s == "auto":
+            row["auto_choice"] = plan.strategy
+        if s == "sequence":
+            io = plan.io
+            row["sequence_own_roofline_us"] = (io.kv + io.queries + io.output) / bandwidth * 1e6
+    peer = anchors.get((spec, hq, hkv))
+    if peer:
+        row["peers_us"] = {p[:-3]: peer[p] for p in PEERS if peer.get(p) is not None}
+    return row
+
+
+def summarize(rows) -> dict:
+    """Geometric means of latency / roofline per head config, and the comparison with peers."""
+    out = {}
+    for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
+        sel = [r for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
+
+        def gm(xs):
+            xs = list(xs)
+            return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+        peered = [r for r in sel if r.get("peers_us")]
+        out[f"{hq}/{hkv}"] = {
+            "auto_over_roofline": gm(r["us"]["auto"] / r["roofline_us"] for r in sel),
+            "auto_graph_over_roofline": gm(r["graph_us"]["auto"] / r["roofline_us"] for r in sel),
+            "best_peer_over_roofline": gm(min(r["peers_us"].values()) / r["roofline_us"] for r in peered),
+            "speedup_over_best_peer": gm(min(r["peers_us"].values()) / r["us"]["auto"] for r in peered),
+            "cases_faster_than_best_peer": sum(r["us"]["auto"] <= min(r["peers_us"].values()) for r in peered),
+            "cases_with_peers": len(peered),
+        }
+    return out
+
+
+def plot(rows, strategies, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["hq"], r["hkv"]) for r in rows}, reverse=True)
+    fig, axes = plt.subplots(len(configs), 1, figsize=(max(12, len(rows) // len(configs) * 0.6), 4 * len(configs)))
+    axes = [axes] if len(configs) == 1 else axes
+    for ax, (hq, hkv) in zip(axes, configs):
+        sel = [r for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
+        names = list(strategies) + ["best peer"]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            vals = [r["roofline_us"] / (min(r["peers_us"].values()) if name == "best peer" else r["us"][name])
+                    if name != "best peer" or r.get("peers_us") else 0 for r in sel]
+            ax.bar([j + i * width for j in range(len(sel))], vals, width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{hq} query / {hkv} KV heads: roofline / latency (1.0 = HBM roofline)")
+        ax.set_xticks([j + 0.4 for j in range(len(sel))])
+        ax.set_xticklabels([r["tree"] for r in sel], rotation=75, fontsize=6)
+        ax.legend(fontsize=7, ncol=len(names))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import track
+    from rich.table import Table
+
+    if not torch.cuda.is_available():
+        raise SystemExit("treeattn bench kernels needs a CUDA GPU")
+    strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"unknown strategies {unknown}; expected {STRATEGIES}")
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+    anchors = load_anchors()
+    bandwidth = copy_bandwidth()
+    cases = [(spec, hq, hkv) for spec in suite_trees(args.suite) for hq, hkv in heads]
+    rows = []
+    for spec, hq, hkv in track(cases, description="bench kernels"):
+        rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors))
+        torch.cuda.empty_cache()
+    result = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16",
+              "head_dim": HEAD_DIM, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
+              "CUDA-graph replay of run()", "rows": rows, "summary": summarize(rows)}
+    console = Console(width=200)
+    table = Table("tree", "heads", "req", "tokens", "roof us", *[f"{s} us (x)" for s in strategies],
+                  "best peer us", "speedup")
+    for r in rows:
+        cells = [f"{r['us'][s]:.1f} ({r['us'][s] / r['roofline_us']:.2f})" for s in strategies]
+        bp = min(r["peers_us"].values()) if r.get("peers_us") else None
+        table.add_row(r["tree"], f"{r['hq']}/{r['hkv']}", str(r["requests"]), str(r["tree_tokens"]),
+                      f"{r['roofline_us']:.1f}", *cells, f"{bp:.1f}" if bp else "-",
+                      f"{bp / r['us']['auto']:.2f}x" if bp else "-")
+    console.print(table)
+    console.print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
+    for k, v in result["summary"].items():
+        console.print(f"{k}: " + ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items()))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, strategies, args.plot)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("kernels", help="kernel-suite latency vs roofline and peers (CUDA)")
+    p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"])
+    p.add_argument("--heads", default="32/32,32/8,64/8")
+    p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
+    p.add_argument("--out", default="benchmarks/results/h200_kernels.json")
+    p.add_argument("--plot", default="benchmarks/results/h200_kernels.png")
+    p.set_defaults(func=run)

@@ -1,0 +1,86 @@
+"""Device timing: copy bandwidth, eager and CUDA-graph latency of ``TreeAttention.run``, and the
+provenance every result file carries."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+
+import torch
+
+
+def provenance() -> dict:
+    """Device, library versions and git commit (``TREEATTN_COMMIT`` overrides ``git``)."""
+    import triton
+
+    commit = os.environ.get("TREEATTN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(), "commit": commit}
+
+
+def copy_bandwidth(nbytes: int = 4 << 30) -> float:
+    """Bytes per second (read + written) of a large device-to-device copy."""
+    import triton
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    return nbytes / (ms * 1e-3)
+
+
+def time_run(wrapper, plan, q, k_cache, v_cache, out) -> tuple[float, float]:
+    """Median microseconds of ``wrapper.run`` eagerly and as a CUDA-graph replay (L2 flushed
+    between runs by ``do_bench``)."""
+    import triton
+
+    def run():
+        wrapper.run(q, k_cache, v_cache, plan, out=out)
+
+    eager = triton.testing.do_bench(run, return_mode="median") * 1e3
+    graph = capture(wrapper, plan, q, k_cache, v_cache, out)
+    replay = triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
+    return eager, replay
+
+
+def graph_us(fn, *, warmup: int = 10, rep: int = 40) -> float:
+    """Median microseconds of a CUDA-graph replay of one call of ``fn`` (``do_bench``, L2
+    flushed between replays)."""
+    import triton
+
+    fn()
+    graph = capture_graph(fn)
+    return triton.testing.do_bench(graph.replay, return_mode="median", warmup=warmup, rep=rep) * 1e3
+
+
+def capture(wrapper, plan, q, k_cache, v_cache, out) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one ``run`` into ``out``."""
+    return capture_graph(lambda: wrapper.run(q, k_cache, v_cache, plan, out=out))
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn`` (without autograd), after a warm-up call on the
+    capture's side stream. Collectives inside ``fn`` are captured too: every rank captures
+    together."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def roofline_us(tree_tokens: int, requests: int, hq: int, hkv: int, head_dim: int, bandwidth: float,
+                elem_bytes: int = 2) -> float:
+    """The anchors' roofline: each unique KV token and each query/output row moved once."""
+    return (2 * tree_tokens * hkv * head_dim + 2 * requests * hq * head_dim) * elem_bytes / bandwidth * 1e6

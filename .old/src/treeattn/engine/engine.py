@@ -1,0 +1,469 @@
+"""The tree-decoding engine: model interface + KV cache manager + sequence tree manager, driven by a
+branch controller (DeFT App. A.1).
+
+:meth:`TreeEngine.decode` is one decode step: one new token for each of a set of leaves, written
+to the paged KV pool, then every layer attends over the decoding tree with treeattn (one plan per
+step, or per *decode window* of several steps). :meth:`TreeEngine.verify` is one speculative
+verification step: a draft token tree below a leaf, queried as tree-structured queries. Nothing
+in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU runs step ``t``.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
+from treeattn.engine.graphs import DecodeGraphs
+from treeattn.engine.kv import KVCacheManager
+from treeattn.engine.planning import StepPlanner, upload
+from treeattn.engine.tree_manager import SequenceTree
+from treeattn.ops import precompile
+
+__all__ = ["StepStats", "TreeEngine"]
+
+
+@dataclass
+class StepStats:
+    """Host-side numbers of one decode / verify step (no device synchronisation).
+
+    ``kv_ms``: tree and KV-cache bookkeeping; ``plan_ms``: attention planning and its upload
+    (0 when a decode window reused its plan); ``forward_ms``: issuing the forward pass (its wall
+    time when the engine synchronises); ``kv_bytes``: KV bytes one layer's attention loads under
+    the step's plan (``plan.io.kv``).
+    """
+
+    step: int
+    kind: str
+    queries: int
+    tree_nodes: int
+    tree_tokens: int
+    strategy: str
+    kv_ms: float
+    plan_ms: float
+    forward_ms: float
+    computed: bool
+    kv_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Window:
+    nodes: tuple
+    plan: object
+    left: int
+    expect: list       # own tokens each node must hold before the next step
+    tokens: int        # KV tokens of the planned tree
+
+
+class TreeEngine:
+    """Tree decoding over one model.
+
+    Parameters
+    ----------
+    model : TreeModel
+    strategy : str
+        treeattn strategy for every decode step (:data:`treeattn.STRATEGIES`).
+    page_size : int
+    kv_tokens : int
+        KV pool capacity in tokens.
+    backend : {"auto", "triton", "torch"}
+        TreeAttention backend ("auto": Triton on CUDA, PyTorch on CPU).
+    cuda_graphs : bool, optional
+        Piecewise CUDA graphs for the non-attention part (default: on for CUDA).
+    window : int
+        Longest decode window (steps planned at once when the controller promises a fixed set
+        of leaves); 1 plans every step.
+    auto_refresh : int
+        See :class:`~treeattn.engine.planning.StepPlanner`.
+    synchronize : bool
+        Wait for the device after every step (accurate per-step wall times, no overlap).
+    keep_reserved : bool
+        Keep a node's unused decode-window slots when its window ends early (a new request joins
+        a served batch) and use them for its next tokens, instead of leaving them unused.
+    """
+
+    def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
+                 backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
+                 auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False):
+        c = model.config
+        self.model, self.device = model, model.device
+        self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
+                           num_layers=c.num_layers, dtype=model.dtype, device=model.device)
+        self.kv = KVCacheManager(self.pool)
+        self.tree = SequenceTree(self.kv)
+        self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
+        self.strategy = strategy
+        self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
+                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh)
+        self.backend = backend
+        self._workspace = None
+        self.attention = TreeAttention(device=model.device, backend=backend)
+        model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
+        use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
+        self.window = max(1, int(window))
+        self.synchronize = synchronize
+        self.keep_reserved = keep_reserved
+        self.compute = True
+        #: profiling hook ``hook(event, layer)``, event in forward_begin / attn_begin / attn_end /
+        #: forward_end (layer -1 for the forward events); called where the work is enqueued
+        self.hook = None
+        self.stats: list[StepStats] = []
+        self._logits: dict[int, tuple] = {}
+        self._win: _Window | None = None
+        self._verify: tuple | None = None
+        self._depth: tuple | None = None
+
+    # ------------------------------------------------------------------ logits
+    def logits_of(self, node: int) -> torch.Tensor:
+        """float32 ``[vocab]``: the model's logits after ``node``'s last token (its nearest ancestor's
+        for a node that has no tokens yet)."""
+        t, row = self._ref(node)
+        return t[row]
+
+    def _ref(self, node: int) -> tuple:
+        n = node
+        while n is not None and n not in self._logits:
+            n = self.tree.parent(n)
+        if n is None:
+            raise ValueError(f"node {node} has no logits yet: prefill its root first")
+        return self._logits[n]
+
+    def forget_logits(self, node: int) -> None:
+        """Drop the logits stored for ``node`` (a cached prompt prefix nobody samples from), so that
+        they do not hold memory while the node stays in the tree."""
+        self._logits.pop(node, None)
+
+    def logits_for(self, nodes) -> torch.Tensor:
+        """float32 ``[n, vocab]``: :meth:`logits_of` of each node (no host synchronisation)."""
+        refs = [self._ref(n) for n in nodes]
+        if not refs:
+            raise ValueError("logits_for() needs at least one node")
+        t0 = refs[0][0]
+        if all(t is t0 for t, _ in refs):
+            rows = [r for _, r in refs]
+            if rows == list(range(t0.shape[0])):
+                return t0
+            return t0.index_select(0, upload(np.asarray(rows), self.device))
+        return torch.stack([t[r] for t, r in refs])
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+
+    # ------------------------------------------------------------------ steps
+    def prefill(self, node: int, tokens) -> torch.Tensor:
+        """Append host token ids to leaf ``node`` with causal SDPA over its path; returns the
+        float32 logits ``[vocab]`` after the last one."""
+        if not len(tokens):
+            raise ValueError("prefill needs at least one token")
+        self._check_vocab(np.asarray(tokens))
+        self._close_window()
+        ctx = self.tree.path_slots(node)
+        slots, pos = self.tree.extend(node, tokens)
+        return self._prefill_run(node, np.asarray(tokens), pos, slots, ctx)
+
+    def prefill_chain(self, parent: int | None, chunks) -> list:
+        """Prefill consecutive token runs as a chain of new nodes below ``parent`` (new roots
+        when None) in one forward pass; returns the nodes, the last one holding the logits.
+
+        A prefix cache keeps one node per cached block but should not pay one forward pass per
+        block. When the pool runs out of pages the chain is removed and
+        :class:`treeattn.KVPoolOutOfMemory` raised.
+        """
+        chunks = [np.asarray(c) for c in chunks]
+        if not chunks or any(c.size == 0 for c in chunks):
+            raise ValueError("prefill_chain needs non-empty token runs")
+        ids = np.concatenate(chunks)
+        self._check_vocab(ids)
+        self._close_window()
+        ctx = self.tree.path_slots(parent) if parent is not None else np.zeros(0, dtype=np.int64)
+        nodes, slots, pos = [], [], []
+        try:
+            for c in chunks:
+                top = nodes[-1] if nodes else parent
+                nodes.append(self.tree.add_root() if top is None else self.tree.add_children(top, 1)[0])
+                s, p = self.tree.extend(nodes[-1], c)
+                slots.append(s)
+                pos.append(p)
+        except Exception:
+            for n in reversed(nodes):
+                self.tree.prune(n, cascade=False)
+            raise
+        self._prefill_run(nodes[-1], ids, np.concatenate(pos), np.concatenate(slots), ctx)
+        return nodes
+
+    def _check_vocab(self, ids: np.ndarray) -> None:
+        vocab = self.model.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            bad = int(ids[(ids < 0) | (ids >= vocab)][0])
+            raise ValueError(f"token id {bad} is out of the model's vocabulary [0, {vocab})")
+
+    def _prefill_run(self, node: int, ids: np.ndarray, pos, slots, ctx) -> torch.Tensor:
+        self._check_positions(pos)
+        if self.compute:
+            d = self.device
+            logits = self._prefill_model(upload(ids, d), upload(pos, d), upload(slots, d), upload(ctx, d))
+        else:
+            logits = self._zeros(1)[0]
+        self._logits[node] = (logits[None], 0)
+        return logits
+
+    def _prefill_model(self, tokens, positions, slots, context_slots) -> torch.Tensor:
+        """The model's prefill of one chunk (a hook: :mod:`treeattn.engine.sharded` overrides it)."""
+        return self.model.prefill(tokens, positions, slots, context_slots, self.kv.caches)
+
+    def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
+        """One new token for each leaf of ``nodes``; returns float32 logits ``[n, vocab]``.
+
+        Parameters
+        ----------
+        nodes : sequence of int
+            Active leaves.
+        tokens : int64 ``[n]`` on the model's device
+        horizon : int
+            The controller promises these same leaves get one token per step for this many steps
+            (this one included); up to ``window`` of them share one plan. A broken promise only
+            costs a re-plan.
+        """
+        t0 = time.perf_counter()
+        nodes = list(nodes)
+        if not self.compute:
+            return self._skip(nodes, tokens, t0)
+        slots, pos = self.tree.append_one(nodes, tokens)
+        self._check_positions(pos)
+        own = [self.kv.num_tokens(n) for n in nodes]
+        w, plan_ms = self._win, 0.0
+        if w is not None and w.left > 0 and w.nodes == tuple(nodes) and w.expect == own:
+            self.planner.set_prefix(w.plan, np.asarray(own))
+        else:
+            self._close_window()
+            h = min(self.window, max(1, int(horizon)))
+            try:
+                extra = {n: self.kv.reserve(n, h - 1) for n in nodes} if h > 1 else None
+            except KVPoolOutOfMemory:       # no room to plan ahead: plan this step alone
+                for n in nodes:
+                    self.kv.drop_reserved(n)
+                h, extra = 1, None
+            dtree = self.tree.decoding_tree(nodes, extra=extra)
+            plan = self.planner.plan(dtree, dynamic_prefix=h > 1)
+            if h > 1:
+                self.planner.set_prefix(plan, np.asarray(own))
+            plan_ms = self.planner.last_ms
+            w = self._win = _Window(tuple(nodes), plan, h, own, dtree.num_tokens)
+        w.left -= 1
+        w.expect = [o + 1 for o in own]
+        logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens)
+        for i, n in enumerate(nodes):
+            self._logits[n] = (logits, i)
+        return logits
+
+    def _skip(self, nodes, tokens, t0) -> torch.Tensor:
+        """Bookkeeping of a step that does not run the model (fast-forward): zeros as logits."""
+        self._close_window()
+        self.tree.append_one(nodes, tokens)
+        logits = self._forward(tokens, np.zeros(len(nodes)), None, None, "skip", t0, 0.0, 0)
+        for i, n in enumerate(nodes):
+            self._logits[n] = (logits, i)
+        return logits
+
+    def verify(self, node: int, root_token: torch.Tensor, draft_parents, draft_tokens: torch.Tensor
+               ) -> torch.Tensor:
+        """Speculative verification: append ``root_token [1]`` to leaf ``node`` and query it together
+        with a draft token tree below it.
+
+        Parameters
+        ----------
+        draft_parents : int sequence ``[m]``
+            Parent draft of each draft token (``-1``: the root token); parents come first.
+        draft_tokens : int64 ``[m]`` on the model's device
+
+        Returns
+        -------
+        float32 logits ``[1 + m, vocab]``: row 0 after the root token, row ``1 + i`` after draft ``i``.
+        """
+        t0 = time.perf_counter()
+        self._close_window()
+        par = np.asarray(draft_parents, dtype=np.int64)
+        depth = self._draft_depth(par)
+        rslot, rpos = self.tree.append_run(node, root_token)
+        dslots = self.kv.scratch(par.size)
+        pos = np.concatenate((rpos, rpos[0] + depth))
+        self._check_positions(pos)
+        plan, plan_ms, ntok = None, 0.0, 0
+        if self.compute:
+            dtree = self.tree.decoding_tree([node], drafts=(node, par, dslots))
+            plan, plan_ms, ntok = self.planner.plan(dtree), self.planner.last_ms, dtree.num_tokens
+        tokens = torch.cat((root_token.reshape(1), draft_tokens.reshape(-1)))
+        logits = self._forward(tokens, pos, np.concatenate((rslot, dslots)), plan, "verify", t0,
+                               plan_ms, ntok)
+        self._verify = (node, dslots, draft_tokens.reshape(-1), logits)
+        self._logits[node] = (logits, 0)
+        return logits
+
+    def _draft_depth(self, par: np.ndarray) -> np.ndarray:
+        """Depth (1 = child of the root token) of every draft; cached for the last draft tree."""
+        key = par.tobytes()
+        if self._depth is None or self._depth[0] != key:
+            bad = np.flatnonzero(par >= np.arange(par.size))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(f"draft {i} has parent {int(par[i])}: parents must come first")
+            depth = np.ones(par.size, dtype=np.int64)
+            for i in np.flatnonzero(par >= 0):
+                depth[i] = depth[par[i]] + 1
+            self._depth = (key, depth)
+        return self._depth[1]
+
+    def accept(self, node: int, drafts) -> None:
+        """Keep drafts ``drafts`` (a root-to-leaf path of the last :meth:`verify`, in order): their
+        tokens join ``node`` and their K/V move from the scratch slots into ``node``'s slots."""
+        if self._verify is None or self._verify[0] != node:
+            raise ValueError(f"accept() needs a preceding verify() of node {node}")
+        _, dslots, dtok, logits = self._verify
+        drafts = [int(i) for i in drafts]
+        if drafts:
+            idx = upload(np.asarray(drafts), self.device)
+            slots, _ = self.tree.append_run(node, dtok.index_select(0, idx))
+            self.kv.copy(upload(dslots[drafts], self.device), upload(slots, self.device))
+            self._logits[node] = (logits, 1 + drafts[-1])
+        self._verify = None
+
+    def _forward(self, tokens, pos, slots, plan, kind, t0, plan_ms, tree_tokens) -> torch.Tensor:
+        t1 = time.perf_counter()
+        n = len(pos)
+        if self.compute:
+            self._fire("forward_begin")
+            logits = self._run_model(tokens, pos, slots, plan)
+            self._fire("forward_end")
+            if self.synchronize and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        else:
+            logits = self._zeros(n)
+        t2 = time.perf_counter()
+        self.stats.append(StepStats(
+            step=len(self.stats), kind=kind, queries=n, tree_nodes=self.tree.num_nodes,
+            tree_tokens=int(tree_tokens), strategy=plan.strategy if plan is not None else "",
+            kv_ms=(t1 - t0) * 1e3 - plan_ms, plan_ms=plan_ms, forward_ms=(t2 - t1) * 1e3,
+            computed=self.compute, kv_bytes=int(plan.io.kv) if plan is not None else 0))
+        for gone in [k for k in self._logits if k not in self.tree]:
+            del self._logits[gone]
+        return logits
+
+    def _ensure_workspace(self, plan) -> None:
+        if self.attention.backend == "triton":
+            need = plan.workspace_bytes() // 4
+            if self._workspace is None or self._workspace.numel() < need:
+                self._workspace = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=self.device)
+                self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend)
+
+    def _attend_fn(self, plan):
+        def attend(layer, q, out=None):
+            self._fire("attn_begin", layer)
+            o = self.attention.run(q, *self._paged[layer], plan, out=out)
+            self._fire("attn_end", layer)
+            return o
+        return attend
+
+    def _fire(self, event: str, layer: int = -1) -> None:
+        if self.hook is not None:
+            self.hook(event, layer)
+
+    def _run_model(self, tokens, pos, slots, plan) -> torch.Tensor:
+        self._ensure_workspace(plan)
+        attend = self._attend_fn(plan)
+        if self.graphs is not None and self.graphs.supports(len(pos)):
+            return self.graphs.run(tokens, pos, slots, attend)
+        d = self.device
+        return self.model.decode(tokens, upload(pos, d), upload(slots, d), self.kv.caches, attend)
+
+    def precompile_kernels(self) -> int:
+        """Compile every attention-kernel variant this model's plans can use now (a server calls
+        it at start-up, so no request waits for Triton's JIT); returns the launches made, 0 with
+        the torch backend."""
+        if self.attention.backend != "triton":
+            return 0
+        return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device)
+
+    def prepare_graphs(self, counts) -> None:
+        """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each
+        against eager execution on a dummy step), so that decoding never stops to capture."""
+        if self.graphs is None:
+            return
+        planner = StepPlanner(self.planner.heads, strategy="sequence", device=self.device)
+        # largest bucket first: it sizes the static buffers once (a bigger bucket captured later
+        # would reallocate them and drop every graph captured before)
+        for m in sorted({self.graphs.bucket(c) for c in counts} - {None}, reverse=True):
+            if not self.graphs.supports(m):
+                return
+            slots = self.kv.scratch(m)
+            dtree = DecodingTree.from_parents([-1] * m, [1] * m, kv_indices=slots,
+                                              page_size=self.pool.page_size, num_slots=self.pool.num_slots)
+            plan = planner.plan(dtree)
+            self._ensure_workspace(plan)
+            self.graphs.check(torch.zeros(m, dtype=torch.int64, device=self.device),
+                              np.zeros(m, dtype=np.int64), slots, self._attend_fn(plan))
+
+    def _check_positions(self, pos: np.ndarray) -> None:
+        if not pos.size:
+            return
+        top = int(pos.max())
+        c = self.model.config
+        if c.sliding_window is not None and top >= c.sliding_window:
+            raise ValueError(f"position {top} exceeds the model's sliding window ({c.sliding_window}); "
+                             "sliding-window attention is not supported")
+        self.model.ensure_positions(top + 1)
+
+    def _close_window(self) -> None:
+        if self._win is not None:
+            for n in self._win.nodes:
+                if n in self.tree and not self.keep_reserved:
+                    self.kv.drop_reserved(n)
+            self._win = None
+
+    # ------------------------------------------------------------------ driving
+    def run(self, controller, *, max_steps: int | None = None, on_step=None, schedule=None) -> dict:
+        """Drive ``controller`` (a :class:`~treeattn.engine.controller.BranchController`) until it
+        stops or ``max_steps`` steps ran. Sequences left by an earlier run are decoded too: call
+        :meth:`reset` between runs.
+
+        Parameters
+        ----------
+        on_step : callable ``(step, StepStats or None)``, optional
+            Called after every step (progress bars).
+        schedule : callable ``step -> bool``, optional
+            Whether step ``step`` runs the model; skipped steps only do the bookkeeping (their
+            logits are zeros). Benchmarks use it to fast-forward a replay.
+
+        Returns
+        -------
+        dict: the controller's result.
+        """
+        self.compute = True
+        controller.start(self)
+        step = 0
+        try:
+            while max_steps is None or step < max_steps:
+                self.compute = schedule(step) if schedule is not None else True
+                before = len(self.stats)
+                if not controller.step(self, step):
+                    break
+                step += 1
+                if on_step is not None:
+                    on_step(step, self.stats[-1] if len(self.stats) > before else None)
+        finally:
+            self.compute = True
+        return controller.result(self)
+
+    def reset(self) -> None:
+        """Prune every sequence, drop stored results and free every KV page the engine holds."""
+        self._close_window()
+        self._verify = None
+        self.tree.clear()
+        self.tree.results.clear()
+        self.kv.release_private()
+        self._logits.clear()

@@ -1,0 +1,181 @@
+"""Piecewise CUDA graphs of the decode forward pass.
+
+Everything between two attention calls (output projection, MLP, the next layer's norm, q/k/v,
+RoPE and KV write) has static shapes for a given number of new tokens, so it is captured once per
+token-count bucket and replayed; only the tree attention (whose plan changes every step) runs
+eagerly between the replays. Rows beyond the real tokens of a bucket are padding: they write their
+K/V to a private pad slot and their outputs are ignored.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+__all__ = ["DecodeGraphs", "BUCKETS"]
+
+log = logging.getLogger(__name__)
+
+#: Token counts graphs are captured for; a step of ``n`` tokens uses the smallest bucket >= n.
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    """CUDA-graph runner for :meth:`treeattn.engine.model.TreeModel.decode`.
+
+    Parameters
+    ----------
+    model : TreeModel
+        On a CUDA device.
+    kv : KVCacheManager
+        Provides the flat caches and the pad slot.
+    verify : bool
+        Compare the first run of every bucket with the eager pass and fall back to eager
+        execution (logging a warning) when they differ.
+    """
+
+    def __init__(self, model, kv, *, verify: bool = True):
+        self.model, self.kv, self.verify = model, kv, verify
+        self.disabled = False
+        self.max_diff = 0.0      # largest relative L2 difference graph vs eager seen by check()
+        self._graphs: dict[int, list] = {}
+        self._checked: set = set()
+        self._cap = 0
+        self._pool = None
+        self._bufs: dict = {}
+
+    @staticmethod
+    def bucket(n: int) -> int | None:
+        return next((b for b in BUCKETS if b >= n), None)
+
+    def supports(self, n: int) -> bool:
+        return not self.disabled and self.bucket(n) is not None
+
+    # ------------------------------------------------------------------ capture
+    def _alloc(self, m: int) -> None:
+        c, dev, dt = self.model.config, self.model.device, self.model.dtype
+        self._graphs.clear()
+        # a fresh memory pool: capturing into the pool of graphs just destroyed trips the caching
+        # allocator (PyTorch's use_count assertion) when a bigger bucket arrives after a smaller one
+        self._pool = None
+        self._cap = m
+        self._bufs = {
+            "tok": torch.zeros(m, dtype=torch.int64, device=dev),
+            "meta": torch.zeros(2 * m, dtype=torch.int64, device=dev),
+            "h": torch.zeros(m, c.hidden_size, dtype=dt, device=dev),
+            "q": torch.zeros(m, c.num_heads, c.head_dim, dtype=dt, device=dev),
+            "o": torch.zeros(m, c.num_heads, c.head_dim, dtype=dt, device=dev),
+            "logits": torch.zeros(m, c.vocab_size, dtype=torch.float32, device=dev),
+        }
+
+    def _segments(self, m: int) -> list:
+        b, model, caches = self._bufs, self.model, self.kv.caches
+        tok, h, q, o, logits = b["tok"][:m], b["h"][:m], b["q"][:m], b["o"][:m], b["logits"][:m]
+        pos, slots = b["meta"][:m], b["meta"][m: 2 * m]
+        last = model.config.num_layers - 1
+
+        # the pieces write straight into the static buffers (q_out / out), saving two copies a layer
+        def first():
+            h.copy_(model.embed(tok))
+            model.pre_attention(0, h, pos, slots, caches, q_out=q)
+
+        def middle(layer):
+            def seg():
+                model.post_attention(layer, h, o, out=h)
+                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q)
+            return seg
+
+        def final():
+            logits.copy_(model.logits(model.post_attention(last, h, o)))
+
+        return [first] + [middle(layer) for layer in range(last)] + [final]
+
+    def _capture(self, m: int) -> list:
+        if m > self._cap:
+            self._alloc(max(m, min(2 * self._cap, BUCKETS[-1]), 16))
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        meta = self._bufs["meta"]
+        meta[:m].zero_()
+        meta[m: 2 * m].fill_(self.kv.pad_slot)
+        segs = self._segments(m)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for f in segs:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        with torch.no_grad():
+            for f in segs:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool):
+                    f()
+                graphs.append(g)
+        log.info("captured %d CUDA graphs for %d-token decode steps", len(graphs), m)
+        return graphs
+
+    # ------------------------------------------------------------------ replay
+    def ensure(self, m: int) -> bool:
+        """Capture the graphs of bucket ``m`` unless they exist; False (and graphs disabled) when
+        capturing fails."""
+        if m in self._graphs and m <= self._cap:
+            return True
+        try:
+            self._graphs[m] = self._capture(m)
+            return True
+        except Exception as e:  # capture is best effort: eager execution is always correct
+            log.warning("CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
+            self.disabled = True
+            return False
+
+    def run(self, tokens: torch.Tensor, positions: np.ndarray, slots: np.ndarray, attend) -> torch.Tensor:
+        """Decode ``n`` tokens; ``attend(layer, q, out)`` writes the attention of ``q [n, Hq, D]``
+        into ``out``. Returns float32 logits ``[n, vocab]`` (a fresh tensor). The first run of a
+        bucket is checked against the eager pass when ``verify`` is set."""
+        m = self.bucket(tokens.numel())
+        if m not in self._checked and self.verify:
+            return self.check(tokens, positions, slots, attend)
+        if not self.ensure(m):
+            return self._eager(tokens, positions, slots, attend)
+        return self._replay(m, tokens, positions, slots, attend)
+
+    def check(self, tokens, positions, slots, attend) -> torch.Tensor:
+        """Run the step eagerly and with the graphs (both write the same K/V); keep the graphs only
+        when their logits match. Returns the eager logits."""
+        m = self.bucket(tokens.numel())
+        reference = self._eager(tokens, positions, slots, attend)
+        self._checked.add(m)
+        if self.ensure(m):
+            graphed = self._replay(m, tokens, positions, slots, attend)
+            diff = ((graphed - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+            self.max_diff = max(self.max_diff, diff)
+            if not diff <= 0.05:
+                log.warning("CUDA-graph logits differ from eager ones (relative L2 %.3g); decoding "
+                            "eagerly", diff)
+                self.disabled = True
+        return reference
+
+    def _replay(self, m: int, tokens, positions, slots, attend) -> torch.Tensor:
+        n = tokens.numel()
+        b = self._bufs
+        meta = np.empty(2 * m, dtype=np.int64)
+        meta[:n], meta[n:m] = positions, 0
+        meta[m: m + n], meta[m + n:] = slots, self.kv.pad_slot
+        src = torch.from_numpy(meta)
+        b["meta"][: 2 * m].copy_(src.pin_memory() if b["meta"].is_cuda else src, non_blocking=True)
+        b["tok"][:n].copy_(tokens)
+        q, o = b["q"][:n], b["o"][:n]
+        graphs = self._graphs[m]
+        for layer, g in enumerate(graphs[:-1]):
+            g.replay()
+            attend(layer, q, o)
+        graphs[-1].replay()
+        return b["logits"][:n].clone()
+
+    def _eager(self, tokens, positions, slots, attend) -> torch.Tensor:
+        dev = self.model.device
+        pos = torch.from_numpy(positions).to(dev)
+        sl = torch.from_numpy(slots).to(dev)
+        return self.model.decode(tokens, pos, sl, self.kv.caches, lambda layer, q: attend(layer, q, None))

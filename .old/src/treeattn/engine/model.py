@@ -1,0 +1,224 @@
+"""A Llama-family decoder (RMSNorm, RoPE with Llama-3 scaling, GQA, SwiGLU; Llama, Mistral and
+Qwen2 checkpoints) whose decode attention is supplied by the caller (treeattn over the paged tree
+KV cache) and whose prefill uses causal SDPA.
+
+The forward pass is split into per-layer pieces (:meth:`TreeModel.pre_attention`,
+:meth:`TreeModel.post_attention`) so that the pieces between two attention calls can be captured
+in CUDA graphs (:mod:`treeattn.engine.graphs`). On CUDA the elementwise parts of those pieces run as
+fused Triton kernels (:mod:`treeattn.engine.fused`: RMSNorm with the residual add, RoPE of q and k
+with the K/V cache write, SwiGLU); the PyTorch code here is the reference and the CPU path.
+"""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from treeattn.engine import fused
+from treeattn.engine.config import ModelConfig, load_config
+from treeattn.engine.weights import Weights, load_weights, random_weights
+
+__all__ = ["TreeModel", "rms_norm", "apply_rope"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: in float32, cast back, then scaled by ``weight``.
+
+    ``x`` ``[..., hidden]`` in the model dtype; returns the same shape and dtype.
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [n, heads, D]`` by ``cos, sin [n, D]`` (rotate-half layout, as in transformers)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class TreeModel:
+    """Llama-family decoder over a flat paged KV cache.
+
+    Parameters
+    ----------
+    config : ModelConfig
+    weights : Weights
+        On ``device`` in ``dtype``.
+    device : torch.device or str
+    dtype : torch.dtype
+        float32, float16 or bfloat16.
+    fused : bool or None
+        Run the elementwise parts as fused Triton kernels (:mod:`treeattn.engine.fused`); default:
+        on CUDA. On CPU they need Triton's interpreter (``TRITON_INTERPRET=1``). Can be changed
+        later through the ``fused`` attribute.
+
+    Notes
+    -----
+    ``caches`` arguments are lists with one ``(k, v)`` pair per layer, each ``[num_slots, Hkv, D]``
+    (a flat view of the KV pool: slot ``s`` holds the key/value of one token).
+    """
+
+    def __init__(self, config: ModelConfig, weights: Weights, *, device="cpu", dtype=torch.float32,
+                 fused: bool | None = None):
+        self.config = config
+        self.weights = weights
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._inv_freq = config.inv_freq().to(self.device)
+        self.cos = torch.empty(0, config.head_dim, device=self.device, dtype=dtype)
+        self.sin = torch.empty_like(self.cos)
+        self.tokenizer = None
+        self.fused = self.device.type == "cuda" if fused is None else bool(fused)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, model_dir, *, device="cpu", dtype=torch.float32,
+                        fused: bool | None = None) -> "TreeModel":
+        """Load a Hugging Face model directory (config.json + safetensors; tokenizer.json if any)."""
+        from treeattn.engine.weights import load_tokenizer
+
+        config = load_config(model_dir)
+        model = cls(config, load_weights(model_dir, config, device=device, dtype=dtype), device=device,
+                    dtype=dtype, fused=fused)
+        model.tokenizer = load_tokenizer(model_dir)
+        return model
+
+    @classmethod
+    def random(cls, config, *, device="cpu", dtype=torch.float32, seed: int = 0,
+               std: float = 0.02, fused: bool | None = None) -> "TreeModel":
+        """Random weights of a preset name (``"tiny"``, ``"llama3-8b"``) or a :class:`ModelConfig`."""
+        if isinstance(config, str):
+            config = ModelConfig.preset(config)
+        return cls(config, random_weights(config, device=device, dtype=dtype, seed=seed, std=std),
+                   device=device, dtype=dtype, fused=fused)
+
+    # ------------------------------------------------------------------ pieces
+    def ensure_positions(self, n: int) -> None:
+        """Make the RoPE tables cover positions ``[0, n)`` (they only grow)."""
+        if n > self.config.max_position_embeddings:
+            raise ValueError(f"position {n - 1} is beyond the model's max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        if n <= self.cos.shape[0]:
+            return
+        n = min(self.config.max_position_embeddings, max(n, 2 * self.cos.shape[0]))
+        freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` int64 ``[n]`` -> hidden states ``[n, hidden]``."""
+        return self.weights.embed.index_select(0, tokens)
+
+    def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      caches, *, q_out: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, q/k/v projection and RoPE of ``h [n, hidden]`` at ``positions`` int64 ``[n]``; K/V
+        are written to ``slots`` int64 ``[n]`` of the layer's cache. Returns ``(q [n, Hq, D], k, v
+        [n, Hkv, D])``; ``q`` is written into ``q_out [n, Hq, D]`` (and returned) when given.
+
+        Fused: 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
+        c, w = self.config, self.weights.layers[layer]
+        n = h.shape[0]
+        kc, vc = caches[layer]
+        if self.fused:
+            x = fused.rms_norm(h, w.attn_norm, c.rms_norm_eps)
+            return fused.rope_qkv_cache(F.linear(x, w.qkv, w.qkv_bias), self.cos, self.sin, positions,
+                                        slots, kc, vc, c.num_heads, c.num_kv_heads, c.head_dim,
+                                        q_out=q_out)
+        x = rms_norm(h, w.attn_norm, c.rms_norm_eps)
+        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(n, c.num_kv_heads, c.head_dim)
+        kc.index_copy_(0, slots, k)
+        vc.index_copy_(0, slots, v)
+        if q_out is not None:
+            q = q_out.copy_(q)
+        return q, k, v
+
+    def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor, *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """Output projection of the attention result ``o [n, Hq, D]``, residual, MLP, residual.
+        Returns the new ``h [n, hidden]``, written into ``out`` when given (``out`` may be ``h``).
+
+        Fused: 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add); unfused: about 15."""
+        c, w = self.config, self.weights.layers[layer]
+        a = F.linear(o.reshape(h.shape[0], c.q_size), w.o, w.o_bias)
+        if self.fused:
+            h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
+            act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
+            d = F.linear(act, w.down, w.down_bias)
+            return torch.add(h, d, out=out) if out is not None else h.add_(d)
+        h = h + a
+        x = rms_norm(h, w.mlp_norm, c.rms_norm_eps)
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return h if out is None else out.copy_(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]``."""
+        norm = fused.rms_norm if self.fused else rms_norm
+        return F.linear(norm(h, self.weights.norm, self.config.rms_norm_eps), self.weights.lm_head).float()
+
+    # ------------------------------------------------------------------ passes
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, caches,
+               attend) -> torch.Tensor:
+        """One decode step of ``n`` new tokens (eager).
+
+        Parameters
+        ----------
+        tokens, positions, slots : int64 ``[n]`` on the model's device
+        caches : per-layer ``(k, v)`` flat caches
+        attend : callable ``(layer, q [n, Hq, D]) -> o [n, Hq, D]``
+            Attention of the new tokens over the tree (their own K/V are in the cache already).
+
+        Returns
+        -------
+        float32 logits ``[n, vocab]``.
+        """
+        h = self.embed(tokens)
+        for layer in range(self.config.num_layers):
+            q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
+            h = self.post_attention(layer, h, attend(layer, q))
+        return self.logits(h)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                context_slots: torch.Tensor, caches, *, all_logits: bool = False) -> torch.Tensor:
+        """Causal prefill of ``L`` tokens that follow ``C`` context tokens already in the cache.
+
+        Parameters
+        ----------
+        tokens, positions, slots : int64 ``[L]``
+        context_slots : int64 ``[C]``
+            Cache slots of the context, in order (empty for a root prompt).
+        all_logits : bool
+            Return logits of every position instead of the last one.
+
+        Returns
+        -------
+        float32 logits ``[vocab]`` (last position) or ``[L, vocab]``.
+        """
+        c = self.config
+        L, C = tokens.shape[0], context_slots.shape[0]
+        group = c.num_heads // c.num_kv_heads
+        all_slots = torch.cat((context_slots, slots))
+        mask = None
+        if C:
+            key = torch.arange(C + L, device=self.device)
+            mask = key[None, :] <= (C + torch.arange(L, device=self.device))[:, None]
+        h = self.embed(tokens)
+        for layer in range(c.num_layers):
+            q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
+            kc, vc = caches[layer]
+            k = kc.index_select(0, all_slots).repeat_interleave(group, dim=1)
+            v = vc.index_select(0, all_slots).repeat_interleave(group, dim=1)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], attn_mask=mask, is_causal=not C)
+            h = self.post_attention(layer, h, o[0].transpose(0, 1))
+        out = self.logits(h if all_logits else h[-1:])
+        return out if all_logits else out[0]

@@ -1,0 +1,146 @@
+"""Per-step attention planning for the engine: host planning, one pinned host-to-device copy per
+plan, ``auto`` decisions reused while the tree keeps its shape, and *decode windows*.
+
+A decode window plans ``K`` steps at once: every query's node already holds the slots of its next
+``K`` tokens, the plan carries a tree mask, and before each step only the device-side
+``query_prefix`` (how many of its own node's tokens each query sees) is advanced. This is exact:
+planners keep every (work item, query) pair the final prefix can see, and the mask hides the
+not-yet-written tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+
+from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
+
+__all__ = ["StepPlanner", "upload"]
+
+#: int32 elements between the starts of a device plan's tensors (64 bytes)
+_ALIGN = 16
+
+
+def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
+    """``arr`` as a tensor on ``device``; CUDA copies go through pinned memory without blocking."""
+    t = torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _tensor_fields(plan: Plan) -> list:
+    return [f.name for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), torch.Tensor)]
+
+
+class StepPlanner:
+    """Plans decode steps of one model shape.
+
+    Parameters
+    ----------
+    heads : treeattn.HeadConfig
+    strategy : str
+        One of :data:`treeattn.STRATEGIES`.
+    device : torch.device
+        Where plans are used.
+    cost : treeattn.CostModel, optional
+    auto_refresh : int
+        With ``strategy="auto"``, the concrete strategy auto picks is reused for up to this many
+        plans while the tree keeps its number of nodes and queries and its KV tokens stay within
+        the same power of two (1: decide every plan).
+    """
+
+    def __init__(self, heads: HeadConfig, *, strategy: str, device, cost: CostModel | None = None,
+                 auto_refresh: int = 32):
+        self.heads = heads
+        self.strategy = strategy
+        self.device = torch.device(device)
+        self.cost = cost or CostModel()
+        self.auto_refresh = max(1, int(auto_refresh))
+        self._auto: tuple | None = None       # (shape key, chosen strategy, plans left)
+        self.last_ms = 0.0
+        self.last_reason = ""
+
+    @staticmethod
+    def _shape_key(tree: DecodingTree) -> tuple:
+        # a speculative verify loop keeps its nodes and queries while the prefix grows from a few
+        # tokens (sequence wins) to thousands (prefix-aware plans win): decide again per octave
+        return tree.num_nodes, tree.num_queries, int(tree.num_tokens).bit_length()
+
+    def _choose(self, tree: DecodingTree) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        key = self._shape_key(tree)
+        if self._auto is not None and self._auto[0] == key and self._auto[2] > 0:
+            self._auto = (key, self._auto[1], self._auto[2] - 1)
+            return self._auto[1]
+        return "auto"
+
+    def plan(self, tree: DecodingTree, *, dynamic_prefix: bool = False) -> Plan:
+        """Plan ``tree`` and move the plan to the device.
+
+        With ``dynamic_prefix`` the plan always carries a tree mask and a private ``query_prefix``
+        tensor that :meth:`set_prefix` rewrites (decode windows).
+        """
+        t0 = time.perf_counter()
+        strategy = self._choose(tree)
+        plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
+        if strategy == "auto":
+            self._auto = (self._shape_key(tree), plan.strategy, self.auto_refresh - 1)
+        self.last_reason = plan.reason
+        if dynamic_prefix:
+            plan = self._masked(plan, tree)
+        plan = self._to_device(plan)
+        self.last_ms = (time.perf_counter() - t0) * 1e3
+        return plan
+
+    def set_prefix(self, plan: Plan, prefix: np.ndarray) -> None:
+        """Let query ``j`` of ``plan`` see ``prefix[j]`` tokens of its own node (no host sync)."""
+        src = torch.from_numpy(np.ascontiguousarray(prefix, dtype=np.int32))
+        if self.device.type == "cpu":
+            plan.query_prefix.copy_(src)
+        else:
+            plan.query_prefix.copy_(src.pin_memory(), non_blocking=True)
+
+    @staticmethod
+    def _masked(plan: Plan, tree: DecodingTree) -> Plan:
+        """``plan`` with a tree mask (built from the tree when the planner made none) and a
+        private query_prefix tensor."""
+        prefix = torch.from_numpy(tree.query_prefix.astype(np.int32))
+        if plan.has_mask:
+            return dataclasses.replace(plan, query_prefix=prefix)
+        topo = tree.topology
+        slots = plan.kv_indices.numpy().astype(np.int64)
+        lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
+        lut[tree.kv_indices] = np.arange(tree.kv_indices.size)
+        tok = lut[slots]
+        # unique slots <=> the table maps every token back to itself (no sort needed)
+        if np.any(tok < 0) or not np.array_equal(lut[tree.kv_indices], np.arange(tree.kv_indices.size)):
+            raise RuntimeError("cannot build a tree mask: the plan's slots do not map to unique tokens")
+        node = np.searchsorted(tree.kv_indptr, tok, side="right") - 1
+
+        def i32(a):
+            return torch.from_numpy(np.asarray(a, dtype=np.int32))
+
+        return dataclasses.replace(
+            plan, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]),
+            mask_pos=i32(tok - tree.kv_indptr[node]), query_pos=i32(topo.tin[tree.query_nodes]),
+            query_prefix=prefix)
+
+    def _to_device(self, plan: Plan) -> Plan:
+        if self.device.type == "cpu":
+            return plan
+        names = _tensor_fields(plan)
+        parts = [getattr(plan, n).reshape(-1).to(torch.int32) for n in names]
+        # every tensor starts 64-byte aligned, like plan.py's buffers: Triton specialises kernels
+        # on pointer alignment, and a plan-dependent alignment would compile new variants mid-run
+        starts = np.cumsum([0] + [-(-p.numel() // _ALIGN) * _ALIGN for p in parts])
+        host = torch.empty(int(starts[-1]), dtype=torch.int32, pin_memory=True)
+        for p, at in zip(parts, starts.tolist()):
+            host[at: at + p.numel()] = p
+        dev = host.to(self.device, non_blocking=True)
+        views = {n: dev[at: at + p.numel()].view(getattr(plan, n).shape)
+                 for n, p, at in zip(names, parts, starts.tolist())}
+        return dataclasses.replace(plan, **views)

@@ -1,0 +1,221 @@
+"""Model weights: Hugging Face safetensors checkpoints (never pickle), random weights of a preset
+shape built directly on the target device, and the tokenizer of a model directory.
+
+The q/k/v projections are fused into one ``[q + 2 kv, hidden]`` matrix and gate/up into one
+``[2 intermediate, hidden]`` matrix at load time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from treeattn.engine.config import ModelConfig
+
+__all__ = ["LayerWeights", "Weights", "load_weights", "random_weights", "load_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer; matrices are ``[out_features, in_features]`` like ``nn.Linear``.
+
+    Attributes
+    ----------
+    qkv : [q_size + 2 * kv_size, hidden]
+    qkv_bias : [q_size + 2 * kv_size] or None
+    o : [hidden, q_size]
+    o_bias : [hidden] or None
+    gate_up : [2 * intermediate, hidden]
+    gate_up_bias : [2 * intermediate] or None
+    down : [hidden, intermediate]
+    down_bias : [hidden] or None
+    attn_norm, mlp_norm : [hidden]
+        RMSNorm weights before attention and before the MLP.
+    """
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+
+
+@dataclass
+class Weights:
+    """All weights: ``embed [vocab, hidden]``, ``layers``, ``norm [hidden]``, ``lm_head [vocab, hidden]``
+    (the embedding itself when tied)."""
+
+    embed: torch.Tensor
+    layers: list
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def _hf_names(config: ModelConfig, i: int) -> dict:
+    p = f"model.layers.{i}."
+    names = {k: p + v for k, v in {
+        "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+        "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
+        "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
+        "mlp_norm": "post_attention_layernorm.weight"}.items()}
+    if config.qkv_bias:
+        names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias",
+                     vb=p + "self_attn.v_proj.bias")
+    if config.o_bias:
+        names["ob"] = p + "self_attn.o_proj.bias"
+    if config.mlp_bias:
+        names.update(gateb=p + "mlp.gate_proj.bias", upb=p + "mlp.up_proj.bias",
+                     downb=p + "mlp.down_proj.bias")
+    return names
+
+
+def _expected_shapes(config: ModelConfig) -> dict:
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    per = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (i, h), "up": (i, h),
+           "down": (h, i), "attn_norm": (h,), "mlp_norm": (h,), "qb": (q,), "kb": (kv,), "vb": (kv,),
+           "ob": (h,), "gateb": (i,), "upb": (i,), "downb": (h,)}
+    for layer in range(config.num_layers):
+        for key, name in _hf_names(config, layer).items():
+            shapes[name] = per[key]
+    return shapes
+
+
+def _checkpoint_files(path: Path) -> dict:
+    """Map tensor name -> safetensors file of a model directory (sharded or not)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: malformed safetensors index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard files")
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise FileNotFoundError(f"{index} names shard {shard!r}, which does not exist in {path}")
+        return {name: path / shard for name, shard in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth", "*.ckpt") for p in path.glob(ext))
+        if pickled:
+            raise ValueError(f"{path}: only pickled checkpoints {pickled} found; treeattn loads "
+                             "safetensors only and never unpickles (re-save the model with "
+                             "save_pretrained(..., safe_serialization=True))")
+        raise FileNotFoundError(f"{path}: no *.safetensors weights and no model.safetensors.index.json")
+    from safetensors import safe_open
+
+    names = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                names[name] = f
+    return names
+
+
+def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.float32) -> Weights:
+    """Read the weights of a Hugging Face model directory with safetensors.
+
+    Parameters
+    ----------
+    model_dir : str or Path
+    config : ModelConfig
+        From :func:`treeattn.engine.config.load_config`.
+    device : str or torch.device
+        Tensors are loaded directly onto it.
+    dtype : torch.dtype
+        Every tensor is cast to it.
+
+    Raises
+    ------
+    FileNotFoundError
+        No safetensors file, or a shard named by the index is missing.
+    ValueError
+        Only pickled checkpoints, a missing tensor or a tensor of the wrong shape.
+    """
+    from safetensors import safe_open
+
+    path = Path(model_dir)
+    where = _checkpoint_files(path)
+    shapes = _expected_shapes(config)
+    missing = [n for n in shapes if n not in where]
+    if missing:
+        raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the {config.arch} config "
+                         f"needs, e.g. {missing[:3]}")
+    tensors, dev = {}, str(torch.device(device))
+    for f in sorted(set(where[n] for n in shapes)):
+        with safe_open(str(f), framework="pt", device=dev) as sf:
+            for name in (n for n in shapes if where[n] == f):
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != shapes[name]:
+                    raise ValueError(f"{f.name}: tensor {name} has shape {tuple(t.shape)} but the config "
+                                     f"implies {shapes[name]}")
+                tensors[name] = t.to(dtype)
+    extra = len(where) - len(shapes)
+    if extra > 0:
+        log.debug("%s: ignoring %d tensors the model does not use", path, extra)
+    layers = []
+    for i in range(config.num_layers):
+        n = {k: tensors.pop(v) for k, v in _hf_names(config, i).items()}
+        layers.append(LayerWeights(
+            qkv=torch.cat([n["q"], n["k"], n["v"]]).contiguous(),
+            qkv_bias=torch.cat([n["qb"], n["kb"], n["vb"]]) if config.qkv_bias else None,
+            o=n["o"], o_bias=n.get("ob"),
+            gate_up=torch.cat([n["gate"], n["up"]]).contiguous(),
+            gate_up_bias=torch.cat([n["gateb"], n["upb"]]) if config.mlp_bias else None,
+            down=n["down"], down_bias=n.get("downb"), attn_norm=n["attn_norm"], mlp_norm=n["mlp_norm"]))
+    embed = tensors["model.embed_tokens.weight"]
+    head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
+    return Weights(embed=embed, layers=layers, norm=tensors["model.norm.weight"], lm_head=head)
+
+
+def random_weights(config: ModelConfig, *, device="cpu", dtype=torch.float32, seed: int = 0,
+                   std: float = 0.02) -> Weights:
+    """Random weights of ``config``'s shape, drawn on ``device`` (no host copy; 8B in bf16 = 16 GB).
+
+    Matrices are normal(0, ``std``), norms are ones, biases zeros.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def mat(*shape):
+        return torch.empty(shape, device=device, dtype=dtype).normal_(0.0, std, generator=gen)
+
+    def bias(n, on):
+        return torch.zeros(n, device=device, dtype=dtype) if on else None
+
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    layers = [LayerWeights(
+        qkv=mat(q + 2 * kv, h), qkv_bias=bias(q + 2 * kv, config.qkv_bias), o=mat(h, q),
+        o_bias=bias(h, config.o_bias), gate_up=mat(2 * i, h), gate_up_bias=bias(2 * i, config.mlp_bias),
+        down=mat(h, i), down_bias=bias(h, config.mlp_bias),
+        attn_norm=torch.ones(h, device=device, dtype=dtype),
+        mlp_norm=torch.ones(h, device=device, dtype=dtype))
+        for _ in range(config.num_layers)]
+    embed = mat(config.vocab_size, h)
+    head = embed if config.tie_word_embeddings else mat(config.vocab_size, h)
+    return Weights(embed=embed, layers=layers, norm=torch.ones(h, device=device, dtype=dtype), lm_head=head)
+
+
+def load_tokenizer(model_dir):
+    """The ``tokenizers.Tokenizer`` of ``model_dir/tokenizer.json``, or None when there is none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ImportError(f"{path} needs the 'tokenizers' package (pip install tokenizers)") from e
+    return Tokenizer.from_file(str(path))

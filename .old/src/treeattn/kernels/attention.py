@@ -1,0 +1,164 @@
+"""Triton kernels: partial attention over work items, and the merge of partial states.
+
+Layouts (validated by the launchers in :mod:`treeattn.ops`):
+  q        [Q, Hq, D]                          (last dim contiguous)
+  k, v     [num_pages, page_size, Hkv, D]      (last dim contiguous; any other strides)
+  o_part   [R, Hq, D] fp32, lse_part [R, Hq] fp32 (natural log)
+  out      [Q, Hq, D] in q's dtype, lse_out [Q, Hq] fp32 (natural log)
+"""
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+# work_offset (the launch's first work unit) takes any value: specialising on it (== 1, multiple
+# of 16) would compile new variants in the middle of decoding
+@triton.jit(do_not_specialize=["work_offset"])
+def _tree_partial_attention_kernel(
+    Q, K, V, O_part, LSE_part, Out, LSE_out,
+    kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices, row_direct,
+    mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
+    work_offset, qk_scale,
+    stride_qn, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_pn, stride_ph, stride_pln,
+    stride_on, stride_oh, stride_ln,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One program = one query tile of one work item, for one KV head.
+
+    The tile's rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head share
+    every K/V tile this program loads: each KV byte is read once per work item.
+
+    With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
+    they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
+    all have one row needs no merge launch.
+    """
+    work = tl.program_id(0) + work_offset
+    kv_head = tl.program_id(1)
+    kv_start = tl.load(work_kv_start + work)
+    kv_end = tl.load(work_kv_end + work)
+    row_start = tl.load(work_row_indptr + work)
+    num_rows = tl.load(work_row_indptr + work + 1) - row_start
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_local = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = q_local < num_rows
+    q_idx = tl.load(row_q_indices + row_start + q_local, mask=row_valid, other=0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(Q + q_idx[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if UPCAST:
+        # Triton's CPU interpreter computes bf16 dots wrongly; it runs them in fp32 instead
+        q = q.to(tl.float32)
+    if HAS_MASK:
+        qpos = tl.load(query_pos + q_idx, mask=row_valid, other=-1)
+        qprefix = tl.load(query_prefix + q_idx, mask=row_valid, other=0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        # int64: page * stride overflows int32 on pools over 2 GiB
+        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
+        # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
+        page = slot // PAGE_SIZE
+        in_page = slot % PAGE_SIZE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+        visible = n_valid[None, :]
+        if HAS_MASK:
+            lo = tl.load(mask_lo + offs_n, mask=n_valid, other=0)
+            hi = tl.load(mask_hi + offs_n, mask=n_valid, other=0)
+            pos = tl.load(mask_pos + offs_n, mask=n_valid, other=0)
+            # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
+            # query's node, and within the query's own node only its first `prefix` tokens
+            anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
+            own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
+            visible = visible & anc & own_ok
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
+    rows = (row_start + q_local).to(tl.int64)
+    to_part = row_valid
+    if DIRECT:
+        final = tl.load(row_direct + rows, mask=row_valid, other=0) != 0
+        to_part = row_valid & ~final
+        to_out = row_valid & final
+        tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(Out.dtype.element_ty), mask=to_out[:, None] & d_valid[None, :])
+        if WRITE_LSE:
+            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=to_out)
+    tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :], o,
+             mask=to_part[:, None] & d_valid[None, :])
+    tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
+
+
+@triton.jit
+def _merge_states_kernel(
+    O_part, LSE_part, Out, LSE_out, merge_q_indices, merge_indptr, merge_indices,
+    num_heads,
+    stride_pn, stride_ph, stride_pln,
+    stride_on, stride_oh, stride_ln,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    """One program = one output row (query ``merge_q_indices[program]``) x BLOCK_H heads:
+    log-sum-exp merge of its partial states, in the order of the merge map (deterministic)."""
+    n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_valid = offs_h < num_heads
+    hd_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    start = tl.load(merge_indptr + n)
+    end = tl.load(merge_indptr + n + 1)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for i in range(start, end):
+        r = tl.load(merge_indices + i).to(tl.int64)
+        lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
+        o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
+                    mask=hd_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale_old = tl.exp2((m - m_safe) * LOG2E)
+        w = tl.exp2((lse - m_safe) * LOG2E)
+        den = den * scale_old + w
+        acc = acc * scale_old[:, None] + w[:, None] * o
+        m = m_new
+    has = den > 0.0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=hd_mask)
+    if WRITE_LSE:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        lse_out = tl.where(has, m_safe + tl.log2(tl.where(has, den, 1.0)) * LN2, float("-inf"))
+        tl.store(LSE_out + n * stride_ln + offs_h, lse_out, mask=h_valid)

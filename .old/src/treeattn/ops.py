@@ -1,0 +1,177 @@
+"""Launchers: validate devices, dtypes, shapes and strides, then launch the Triton kernels.
+
+They never synchronise with the host and allocate nothing when given their outputs, so a
+sequence of launches can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+
+import torch
+import triton
+
+from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
+from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
+
+__all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
+           "precompile"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_triton_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                           "triton is imported to run the kernels on CPU tensors")
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: Plan) -> None:
+    """Raise TypeError/ValueError naming the first problem with ``q``, the caches or the plan."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_queries, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_pages, page_size, num_kv_heads, head_dim]"
+                         f", got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if not (q.device == k_cache.device == v_cache.device == plan.device):
+        raise ValueError(f"device mismatch: q on {q.device}, k_cache on {k_cache.device}, "
+                         f"v_cache on {v_cache.device}, plan on {plan.device}")
+    h = plan.heads
+    nq, hq, d = q.shape
+    _, page_size, hkv, dk = k_cache.shape
+    if nq != plan.num_queries:
+        raise ValueError(f"q has {nq} queries but the plan was made for {plan.num_queries}")
+    if (hq, hkv, d, dk) != (h.num_qo_heads, h.num_kv_heads, h.head_dim, h.head_dim):
+        raise ValueError(f"head shape mismatch: q has {hq} heads of dim {d}, the caches {hkv} heads of "
+                         f"dim {dk}; the plan expects {h.num_qo_heads}/{h.num_kv_heads} heads of dim "
+                         f"{h.head_dim}")
+    if page_size != plan.page_size:
+        raise ValueError(f"k_cache has page size {page_size} but the tree was planned with "
+                         f"{plan.page_size}")
+    if plan.min_slots > k_cache.shape[0] * page_size:
+        raise ValueError(f"page out of range: the plan reads slot {plan.min_slots - 1} but the cache "
+                         f"has {k_cache.shape[0]} pages of {page_size}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+
+
+def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
+                      o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
+                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None) -> None:
+    """Launch the partial-attention kernel for every launch group of ``plan``.
+
+    Writes ``o_part [R, Hq, D]`` and ``lse_part [R, Hq]`` (fp32, natural-log LSE) of the rows
+    the merge reads. Queries with a single row (``plan.row_direct``) are written straight to
+    ``out [Q, Hq, D]`` (and ``lse_out [Q, Hq]`` fp32 when given), which must then be given.
+    """
+    _check_triton_device(q)
+    h = plan.heads
+    block_d = max(16, triton.next_power_of_2(h.head_dim))
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    mask_args = (plan.mask_lo, plan.mask_hi, plan.mask_pos, plan.query_pos, plan.query_prefix)
+    if not plan.has_mask:
+        mask_args = (plan.kv_indices,) * 5  # never read: HAS_MASK is off
+    direct = plan.num_direct > 0
+    if direct and out is None:
+        raise ValueError("this plan writes single-row queries to the output: pass out=")
+    out_arg = out if out is not None else o_part  # never written without DIRECT
+    lse_arg = lse_out if lse_out is not None else lse_part
+    for launch in plan.launches:
+        grid = (launch.work_end - launch.work_start, h.num_kv_heads)
+        _tree_partial_attention_kernel[grid](
+            q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
+            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
+            plan.row_q_indices, plan.row_direct, *mask_args,
+            launch.work_start, sm_scale * LOG2E.value,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+            out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
+            GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
+            HAS_MASK=plan.has_mask, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            DOT_PRECISION=precision, UPCAST=upcast,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
+                   merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
+                   lse_out: torch.Tensor | None) -> None:
+    """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
+    (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
+    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``."""
+    _check_triton_device(o_part)
+    heads, d = out.shape[1:]
+    n = merge_q_indices.numel()
+    if n == 0:
+        return
+    block_d = triton.next_power_of_2(d)
+    # each program walks its query's partial rows one after another (latency-bound), so give the
+    # grid at least ~1024 programs before packing several heads into one
+    cap = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
+    grid = (n, triton.cdiv(heads, block_h))
+    lse_arg = lse_out if lse_out is not None else lse_part
+    _merge_states_kernel[grid](
+        o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
+        o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+        out.stride(0), out.stride(1), lse_arg.stride(0),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
+        num_warps=4,
+    )
+
+
+def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
+    """Launch every partial-attention variant (query-tile height x KV tile x tree mask x direct
+    output) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
+    now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
+
+    Returns the number of launches made.
+    """
+    from treeattn.plan import make_plan
+    from treeattn.tree import DecodingTree
+
+    hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype
+    kc = torch.randn(1, page_size, hkv, d, device=device).to(dt)
+    q = torch.randn(2, hq, d, device=device).to(dt)
+    launches = 0
+    for prefix in (2, 1):  # both queries see the node whole; then one sees a part: the tree mask
+        tree = DecodingTree.from_parents([-1], [2], query_nodes=[0, 0], query_prefix=[2, prefix],
+                                         page_size=page_size, num_slots=page_size)
+        plan = make_plan(tree, heads, strategy="node", device=device)
+        o_part = torch.empty(plan.num_rows, hq, d, device=device)
+        lse_part = torch.empty(plan.num_rows, hq, device=device)
+        out = torch.empty_like(q)
+        for (m, n, warps, stages), direct in itertools.product(launch_shapes(heads), (0, plan.num_direct)):
+            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages),),
+                                         num_direct=direct)
+            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
+            launches += 1
+    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
+    for block_h in (1 << k for k in range(cap.bit_length())):
+        n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
+        o_part, lse_part = torch.zeros(n, hq, d, device=device), torch.zeros(n, hq, device=device)
+        idx = torch.arange(n + 1, dtype=torch.int32, device=device)
+        out = torch.empty(n, hq, d, device=device, dtype=dt)
+        for lse in (None, torch.empty(n, hq, device=device)):
+            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse)
+            launches += 1
+    return launches
+
+
+def default_scale(head_dim: int, sm_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

@@ -1,0 +1,203 @@
+"""Device cost model shared by planners that balance work and by ``auto``.
+
+The item-shaping constants (``target_programs``, ``min_split_tokens``, ``deft_chunk_tokens``,
+``fasttree_*``) decide the plans the planners make. The other constants are only used by
+:meth:`CostModel.estimate`, which ``auto`` calls to rate every strategy's work items; they describe
+an NVIDIA H200 (132 SMs, ~4.25 TB/s copy bandwidth) and were fitted by
+``benchmarks/fit_cost_model.py`` on ``benchmarks/results/h200_kernels.json`` (CUDA-graph latencies of
+every strategy on the 96 kernel-suite cases; benchmarks/NOTES.md). They only steer choices, so plans
+are identical on every host (tests on CPU plan exactly what the GPU runs).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from treeattn.plan.plan import (
+    SHORT_ITEM_TOKENS,
+    TILE_LONG,
+    TILE_LONG_HEAD256,
+    TILE_SHORT,
+    HeadConfig,
+    _block_m_choices,
+)
+
+__all__ = ["CostModel", "launch_features"]
+
+
+def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig) -> np.ndarray:
+    """float64 [launches, 5]: ``(block_m, block_n, programs, program_tiles, max_tiles)`` of each
+    attention launch the plan builder would make for these items (items without tokens or queries
+    left out).
+
+    As in :func:`treeattn.plan.plan.build_plan`: an item's query tile is the smallest ``block_m``
+    holding its rows (queries x GQA group), split beyond the largest; its KV tile is ``block_n``
+    32 or 64 by length; one launch per ``(block_m, block_n)``, one program per (query tile, KV
+    head). ``program_tiles`` sums the KV tiles (loop iterations) of all programs of a launch,
+    ``max_tiles`` is the longest program's.
+    """
+    length = np.asarray(item_len, dtype=np.int64)
+    nq = np.asarray(item_queries, dtype=np.int64)
+    keep = (length > 0) & (nq > 0)
+    if not keep.all():
+        length, nq = length[keep], nq[keep]
+    return np.array(_launches(length, nq, heads), dtype=np.float64).reshape(-1, 5)
+
+
+@functools.lru_cache(maxsize=64)
+def _tile_tables(group: int, head_dim: int) -> tuple:
+    """Query-tile heights a GQA group may use and the queries each holds; the short and long KV
+    tile and whether they are different launch configs."""
+    block_m = np.array(_block_m_choices(group))
+    long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
+    return block_m, np.maximum(block_m // group, 1), TILE_SHORT[0], long_cfg[0], long_cfg != TILE_SHORT
+
+
+def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig) -> list:
+    """:func:`launch_features` of items that all have tokens and queries, as a list of tuples
+    (few numpy passes: ``auto`` runs this for every strategy)."""
+    if length.size == 0:
+        return []
+    group = heads.group
+    block_m, q_per_tile, short_n, long_n, two_kv_tiles = _tile_tables(group, heads.head_dim)
+    m_idx = np.searchsorted(block_m, nq * group if group > 1 else nq)
+    np.minimum(m_idx, block_m.size - 1, out=m_idx)
+    qpt = q_per_tile[m_idx]
+    tiles = (nq + qpt - 1) // qpt
+    # one launch per (block_m, KV tile config), found without sorting; KV tiles are powers of two
+    if two_kv_tiles:
+        is_long = length > SHORT_ITEM_TOKENS
+        kv_tiles = ((length - 1) >> np.where(is_long, long_n.bit_length() - 1, short_n.bit_length() - 1)) + 1
+        shape = m_idx * 2 + is_long
+    else:
+        kv_tiles = ((length - 1) >> (short_n.bit_length() - 1)) + 1
+        shape = m_idx * 2
+    n_shapes = 2 * block_m.size
+    programs = np.bincount(shape, weights=tiles, minlength=n_shapes).tolist()
+    work = np.bincount(shape, weights=tiles * kv_tiles, minlength=n_shapes).tolist()
+    longest = np.zeros(n_shapes, dtype=np.int64)
+    np.maximum.at(longest, shape, kv_tiles)
+    hkv = heads.num_kv_heads
+    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m)
+            for k, m in enumerate(longest.tolist()) if programs[k] > 0]
+
+
+_ELEM_BYTES: dict = {}
+
+
+def _elem_bytes(heads: HeadConfig) -> int:
+    eb = _ELEM_BYTES.get(heads.dtype)
+    if eb is None:
+        eb = _ELEM_BYTES[heads.dtype] = heads.elem_bytes
+    return eb
+
+
+@dataclass(frozen=True)
+class CostModel:
+    num_sms: int = 132
+    #: bytes per second the whole GPU streams from HBM
+    bandwidth: float = 4.25e12
+    # -- attention kernel. Fitted by benchmarks/fit_cost_model.py on results/h200_kernels.json.
+    #: KV bytes per second and tile FLOP/s of one program on its own (its gather loop is
+    #: latency-bound; a lone program's 4 warps keep only part of the SM busy)
+    program_bandwidth: float = 22.6e9
+    program_flops: float = 3.67e12
+    #: SM time of one program's fixed work (index, query and output round trips)
+    program_overhead_s: float = 0.422e-6
+    #: KV bytes per second one SM streams when full of programs (shared KV mostly hits L2)
+    sm_bandwidth: float = 170e9
+    #: tile FLOP/s of one SM (QK^T and PV over the padded block_m x block_n tile)
+    sm_flops: float = 1.4e12
+    #: extra cost of a KV tile when the plan needs the tree mask (its loads and compares)
+    mask_cost: float = 0.676
+    #: exponent of the soft maximum of a launch's SM time and its longest program
+    overlap_exponent: float = 25.0
+    #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one partial
+    #: row on the longest query's chain, latency-bound)
+    launch_overhead_s: float = 5.51e-6
+    merge_step_s: float = 0.168e-6
+    #: the same for every plan (query and output traffic, graph replay); reported, not choosing
+    fixed_overhead_s: float = 4.26e-6
+    # -- item shaping (decide the plans; not fitted)
+    #: programs the attention grid should have before long items are split
+    target_programs: int = 1056
+    min_split_tokens: int = 256
+    #: concurrent programs per SM a fair share of the work is measured against (greedy's balance
+    #: split): ~1.5 was fastest for Medusa trees over 1K-3K-token contexts
+    #: (benchmarks/sweep_tiles.py)
+    balance_programs_per_sm: float = 1.5
+    #: DeFT's KV chunk / block size
+    deft_chunk_tokens: int = 128
+    # FastTree's padding and reduction coefficients (alpha, beta, gamma) and tile sizes
+    fasttree_alpha: float = 1.0
+    fasttree_beta: float = 1.0
+    fasttree_gamma: float = 4.0
+    fasttree_tile_q: int = 16
+    fasttree_tile_kv: int = 64
+
+    @property
+    def balance_slots(self) -> int:
+        """Concurrent programs of the balance split: ``num_sms * balance_programs_per_sm``."""
+        return max(1, round(self.num_sms * self.balance_programs_per_sm))
+
+    def estimate(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
+                 merge_rows_max: int = 1, num_queries: int | None = None,
+                 kv_tokens: int | None = None, masked: bool = False) -> float:
+        """Seconds for one run (attention launches + merge) of items with these KV lengths and
+        query counts; see :meth:`breakdown`."""
+        return self.breakdown(item_len, item_queries, heads, merge_rows_max=merge_rows_max,
+                              num_queries=num_queries, kv_tokens=kv_tokens, masked=masked)["total"]
+
+    def breakdown(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
+                  merge_rows_max: int = 1, num_queries: int | None = None,
+                  kv_tokens: int | None = None, masked: bool = False) -> dict:
+        """Seconds of one run, by part: ``attention``, ``merge``, ``total`` (and ``launches``,
+        ``masked``).
+
+        Attention, per launch (:func:`launch_features`): a KV tile costs an SM
+        ``tile bytes / sm_bandwidth + tile FLOPs / sm_flops`` and a program ``program_overhead_s``
+        more; the launch's SM time is spread over ``num_sms`` SMs, softly no less than its longest
+        program on its own (``program_bandwidth``, ``program_flops``), plus
+        ``launch_overhead_s``. Launches run one after another; all of them cannot beat HBM
+        bandwidth for the unique KV (``kv_tokens``, default: every item token) and the partial
+        rows written. The tree mask (``masked``) makes every KV tile ``1 + mask_cost`` times
+        dearer. Merge: the longest chain of merge steps (``merge_rows_max``), no faster than
+        reading the partial rows and writing the output, plus a launch; none when every query
+        has one row (the kernel writes the output). ``num_queries`` defaults to the rows.
+        """
+        length = np.asarray(item_len, dtype=np.int64)
+        nq = np.asarray(item_queries, dtype=np.int64)
+        used = (length > 0) & (nq > 0)
+        if not used.all():
+            length, nq = length[used], nq[used]
+        return self._breakdown(length, nq, heads, merge_rows_max, num_queries, kv_tokens, masked)
+
+    def _breakdown(self, length: np.ndarray, nq: np.ndarray, heads: HeadConfig, merge_rows_max: int,
+                   num_queries: int | None, kv_tokens: int | None, masked: bool) -> dict:
+        """:meth:`breakdown` of int64 items that all have tokens and queries."""
+        hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
+        rows = int(nq.sum())
+        num_queries = rows if num_queries is None else int(num_queries)
+        kv_tokens = int(length.sum()) if kv_tokens is None else int(kv_tokens)
+        tok_bytes = d * 2 * eb  # K and V of one token of one KV head
+        mask = 1.0 + self.mask_cost * bool(masked)
+        p = self.overlap_exponent
+        launches = _launches(length, nq, heads)
+        attn = 0.0
+        for block_m, block_n, programs, work, longest in launches:  # a few launches: plain floats
+            tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
+            sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms
+            longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
+                                   + 4.0 * block_m * block_n * d / self.program_flops) * mask
+            attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s
+        # every query with a single row: the attention kernel writes the output, no merge launch
+        direct = merge_rows_max <= 1 and rows == num_queries
+        partial_bytes = 0 if direct else rows * hq * (d + 1) * 4
+        attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
+        merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
+                                       (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
+                                       ) + self.launch_overhead_s
+        return {"attention": attn, "merge": merge, "launches": len(launches), "masked": bool(masked),
+                "total": attn + merge + self.fixed_overhead_s}

@@ -1,0 +1,57 @@
+"""``flatten``: DeFT-Flatten, flattened tree KV splitting.
+
+The tree's KV is laid out depth-first (a subtree is one contiguous run, so a block's queries
+overlap as much as possible) and cut into even blocks; each block is one work item with every
+query that sees any of its tokens, and the tree mask hides the tokens a query must not see.
+Every KV token is read once and items are balanced whatever the tree's shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, items_from_groups
+from treeattn.plan.plan import HeadConfig
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
+
+
+def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    block = cost.deft_chunk_tokens
+    flat = tree.topology.flat_start
+    total = tree.num_tokens
+    n_blocks = -(-total // block)
+    # pieces of nodes in each block, depth-first order (so by block too)
+    extent = tree.node_extent  # tokens nobody sees are left out of the blocks
+    nodes = tree.topology.order
+    nodes = nodes[extent[nodes] > 0]
+    start, end = flat[nodes], flat[nodes] + extent[nodes]
+    b0, b1 = start // block, (end - 1) // block
+    piece_node = np.repeat(nodes, b1 - b0 + 1)
+    piece_block = ranges(b0, b1 + 1)
+    piece_start = flat[piece_node]
+    lo = np.maximum(piece_block * block, piece_start) - piece_start
+    hi = np.minimum((piece_block + 1) * block, piece_start + extent[piece_node]) - piece_start
+    # queries of each block: those whose visible part of some node overlaps it, and the tokens
+    # of the block they see through that node
+    q, node, visible = tree.visible_pairs
+    pair_start = flat[node]
+    pair_block = pair_start // block
+    span = (pair_start + visible - 1) // block - pair_block
+    if span.any():  # (else every visible part lies in one block)
+        pair_q = np.repeat(q, span + 1)
+        pair_block = ranges(pair_block, pair_block + span + 1)
+        pair_start, pair_end = np.repeat(pair_start, span + 1), np.repeat(pair_start + visible, span + 1)
+        seen = np.minimum(pair_end, (pair_block + 1) * block) - np.maximum(pair_start, pair_block * block)
+    else:
+        pair_q, seen = q, visible
+    # pairs go by query, root first, so each query's blocks are non-decreasing: merging repeats
+    # of the previous (block, query) leaves each once, and grouping by block keeps queries sorted
+    new = np.empty(pair_q.size, dtype=bool)
+    new[0] = True
+    np.not_equal(pair_block[1:], pair_block[:-1], out=new[1:])
+    new[1:] |= pair_q[1:] != pair_q[:-1]
+    new = np.flatnonzero(new)
+    items = items_from_groups(piece_block, piece_node, lo, hi, pair_block[new], pair_q[new], n_blocks,
+                              q_tokens=np.add.reduceat(seen, new))
+    return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"

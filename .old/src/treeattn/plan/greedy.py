@@ -1,0 +1,106 @@
+"""``greedy``: FastTree's overhead-guided greedy binary edge assignment (its Alg. 1) and
+long-context splitting.
+
+Nodes are visited breadth-first; for each edge ``v -> l`` the cost of keeping ``l``'s context
+separate (edge 0: padding of both groups plus the reduction of ``l``'s extra partial results) is
+compared with concatenating ``v``'s context into ``l``'s group (edge 1: padding of the shrunken
+``v`` group and of the longer ``l`` group). Query counts are measured in rows (queries x GQA
+group) because that is what fills the kernel's query tile. When the resulting groups cannot fill
+the GPU, long contexts are split; otherwise contexts whose programs are longer than a fair share
+of the work are (a few tall query tiles over one long context among many tiny items: the
+queries of a speculative token tree).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, balance_split, glued_items, split_long_items
+from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
+from treeattn.tree import DecodingTree
+
+
+def _padding(n: np.ndarray, tile: int) -> np.ndarray:
+    """Padding of ``n`` up to a multiple of ``tile``: FastTree's ``tile - ((n - 1) % tile + 1)``
+    (floor modulo, as Python's), which is ``-n % tile`` for every integer ``n``."""
+    return -n % tile
+
+
+def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.ndarray:
+    """bool [N]: FastTree's Alg. 1 decision for every edge ``parent(l) -> l`` (True: assigned 1).
+
+    The algorithm visits edges breadth-first, a parent's children in id order; an edge's decision
+    depends on its parent's length (longer when the parent's own edge was assigned 1) and on its
+    earlier siblings' decisions (``nq_cur`` shrinks by every assigned sibling's rows). All edges
+    are decided at once from a guess of those decisions, repeatedly, until nothing changes: the
+    dependencies form a DAG, so the fixed point is unique and reached, and it is the sequential
+    algorithm's result. Costs are computed with the sequential algorithm's float operations in
+    its order (bit-identical decisions); they are in units of head_dim (every term has one factor
+    d): the padding cost of a group is ``alpha * Pad(TS_q, nQ) * len + beta * nQ * Pad(TS_c,
+    min(len, TS_c))`` (FastTree eqs. 3-7).
+    """
+    topo = tree.topology
+    a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
+    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
+    glued = np.zeros(tree.num_nodes, dtype=bool)
+    kids = topo.child_indices  # by (parent, id)
+    if kids.size == 0:
+        return glued
+    par = tree.parents[kids]
+    first = np.flatnonzero(np.concatenate(([True], par[1:] != par[:-1])))
+    sib = np.repeat(first, np.diff(np.append(first, kids.size)))  # each edge's first sibling
+    # terms of the child on its own (``a_pad_q_l`` and ``b_nq`` are the leading products of two
+    # terms of split_q)
+    nq, len_l = rows[kids], tree.lengths[kids]
+    rows_v = rows[par]
+    pad_q_l = _padding(nq, tq)
+    pad_l = a * pad_q_l * len_l
+    kv_l = b * nq * _padding(np.minimum(len_l, tc), tc)
+    reduce_l = g * nq
+    a_pad_q_l, b_nq = a * pad_q_l, b * nq
+    # a node's group reads the tokens from the top of its glued chain: path tokens since the top
+    through = topo.path_tokens + tree.lengths
+    depth_bits = int(topo.depth.max()).bit_length()
+    ids = np.arange(glued.size)
+    while True:
+        top = np.where(glued, tree.parents, ids)
+        for _ in range(depth_bits):
+            top = top[top]
+        len_v = (through - topo.path_tokens[top])[par]
+        len_lv = len_v + len_l
+        pad_kv_v = _padding(np.minimum(len_v, tc), tc)
+        assigned = glued[kids]
+        moved = nq * assigned  # rows that glued children take from the parent
+        before = np.cumsum(moved) - moved
+        nq_cur = rows_v - (before - before[sib])  # earlier siblings only
+        nq_rest = nq_cur - nq
+        split_kv = (a * _padding(nq_cur, tq) * len_v + b * nq_cur * pad_kv_v + pad_l + kv_l
+                    + reduce_l)
+        split_q = (a * _padding(nq_rest, tq) * len_v + b * nq_rest * pad_kv_v
+                   + a_pad_q_l * len_lv + b_nq * _padding(np.minimum(len_lv, tc), tc))
+        now = split_kv > split_q
+        if np.array_equal(now, assigned):
+            return glued
+        glued[kids] = now
+
+
+def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    glued = _assign_edges(tree, tree.subtree_queries * heads.group, cost)
+    items = glued_items(tree, glued)
+    note = ""
+    item_len = items.item_len
+    used = (item_len > 0) & (items.item_queries > 0)
+    q_tile = max(1, 64 // heads.group)
+    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
+    if programs < cost.target_programs and used.any():
+        per_head = max(1, cost.target_programs // heads.num_kv_heads)
+        max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
+        items = split_long_items(items, max_len)
+        note = f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
+    elif used.any():
+        items, max_len = balance_split(items, group=heads.group, num_kv_heads=heads.num_kv_heads,
+                                       tile_rows=BLOCK_M_CHOICES[-1], slots=cost.balance_slots,
+                                       min_len=cost.min_split_tokens)
+        if max_len is not None:
+            note = f"; long contexts split at {max_len} tokens (fair share of the work)"
+    return items, f"greedy: {int(glued.sum())} edges assigned 1{note}"

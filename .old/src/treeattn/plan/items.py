@@ -1,0 +1,228 @@
+"""Work items: what every planner produces before the shared plan builder lowers it to tensors.
+
+A work item is a run of KV tokens (one or more *segments*, each a token range of one node) and
+the queries that attend to it together. Items are the papers' "QKV groups" (DeFT), "CTAs" (PAT)
+and "context-queries groups" (FastTree). A query of an item may see only part of the item's
+tokens (DeFT-Flatten blocks, queries inside speculative token trees); the builder detects that and
+turns on the tree mask for the plan.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
+
+__all__ = ["WorkItems", "balance_split", "glued_items", "group_order", "items_from_groups", "split_long_items"]
+
+
+@dataclass(frozen=True)
+class WorkItems:
+    """Host-side work items in CSR form (all int64).
+
+    Attributes
+    ----------
+    seg_indptr : [num_items + 1]
+        Segments of item ``i`` are ``seg_indptr[i]:seg_indptr[i + 1]``, in KV order.
+    seg_node, seg_lo, seg_hi : [num_segments]
+        Segment = tokens ``[seg_lo, seg_hi)`` of node ``seg_node``.
+    q_indptr, q_indices : [num_items + 1], [nnz]
+        Queries of each item.
+    q_tokens : [nnz] or None
+        Tokens of its item that each query sees, when the planner knows them cheaply (else the
+        plan builder computes them from the tree); :func:`split_long_items` keeps them when every
+        query sees its items whole.
+    """
+
+    seg_indptr: np.ndarray
+    seg_node: np.ndarray
+    seg_lo: np.ndarray
+    seg_hi: np.ndarray
+    q_indptr: np.ndarray
+    q_indices: np.ndarray
+    q_tokens: np.ndarray | None = None
+
+    @property
+    def num_items(self) -> int:
+        return int(self.seg_indptr.size - 1)
+
+    @functools.cached_property
+    def item_len(self) -> np.ndarray:
+        """int64 [num_items]: KV tokens of each item."""
+        seg_len = self.seg_hi - self.seg_lo
+        return _segment_sum(seg_len, self.seg_indptr)
+
+    @functools.cached_property
+    def item_queries(self) -> np.ndarray:
+        """int64 [num_items]: queries of each item."""
+        return self.q_indptr[1:] - self.q_indptr[:-1]
+
+    def take(self, keep: np.ndarray) -> "WorkItems":
+        """The items selected by index array ``keep`` (in that order)."""
+        if keep.size == self.num_items and (keep == np.arange(keep.size)).all():
+            return self
+        seg = ranges(self.seg_indptr[keep], self.seg_indptr[keep + 1])
+        qs = ranges(self.q_indptr[keep], self.q_indptr[keep + 1])
+        return WorkItems(
+            _indptr(self.seg_indptr[keep + 1] - self.seg_indptr[keep]), self.seg_node[seg],
+            self.seg_lo[seg], self.seg_hi[seg],
+            _indptr(self.q_indptr[keep + 1] - self.q_indptr[keep]), self.q_indices[qs],
+            None if self.q_tokens is None else self.q_tokens[qs])
+
+
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _segment_sum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    c = _indptr(values)
+    return c[indptr[1:]] - c[indptr[:-1]]
+
+
+def group_order(ids: np.ndarray, num_groups: int) -> np.ndarray | None:
+    """Stable order that groups ``ids`` (in ``[0, num_groups)``), or None when they already are."""
+    if ids.size < 2 or not (ids[1:] < ids[:-1]).any():
+        return None
+    if num_groups <= 1 << 16:
+        ids = ids.astype(np.uint16)  # numpy's stable sort of 16-bit keys is a (fast) radix sort
+    return np.argsort(ids, kind="stable")
+
+
+def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_items: int,
+                      q_tokens=None) -> WorkItems:
+    """Build :class:`WorkItems` from flat (item id, ...) lists; segment order within an item and
+    query order within an item are kept (stable sort by item)."""
+    seg_item = np.asarray(seg_item, dtype=np.int64)
+    q_item = np.asarray(q_item, dtype=np.int64)
+    seg = [np.asarray(a, dtype=np.int64) for a in (seg_node, seg_lo, seg_hi)]
+    q_query = np.asarray(q_query, dtype=np.int64)
+    so = group_order(seg_item, num_items)
+    if so is not None:
+        seg = [a[so] for a in seg]
+    qo = group_order(q_item, num_items)
+    if qo is not None:
+        q_query = q_query[qo]
+        q_tokens = None if q_tokens is None else q_tokens[qo]
+    return WorkItems(_indptr(np.bincount(seg_item, minlength=num_items)), *seg,
+                     _indptr(np.bincount(q_item, minlength=num_items)), q_query, q_tokens)
+
+
+def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int = 16) -> WorkItems:
+    """Split every item longer than ``max_len`` (scalar or per item) into equal chunks of at most
+    ``max_len`` tokens (rounded up to ``align``), each with all the item's queries: Flash-Decoding's
+    KV split, PAT's long-KV split and FastTree's long-context splitting."""
+    n = items.num_items
+    length = items.item_len
+    max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
+    if not (length > max_len).any():
+        return items
+    chunks = np.maximum(1, -(-length // max_len))
+    chunk_len = -(-length // chunks)
+    chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
+    chunks = np.maximum(1, -(-length // chunk_len))
+    # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
+    seg_len = items.seg_hi - items.seg_lo
+    seg_item = np.repeat(np.arange(n), items.seg_indptr[1:] - items.seg_indptr[:-1])
+    csum = _indptr(seg_len)
+    seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
+    live = np.flatnonzero(seg_len > 0)
+    cl = chunk_len[seg_item[live]]
+    start0, len0 = seg_start[live], seg_len[live]
+    c0 = start0 // cl
+    pieces = (start0 + len0 - 1) // cl - c0 + 1
+    piece_seg = np.repeat(live, pieces)
+    piece_chunk = ranges(c0, c0 + pieces)
+    piece_cl = np.repeat(cl, pieces)
+    offset = seg_start[piece_seg]
+    start = np.maximum(piece_chunk * piece_cl, offset)
+    end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
+    piece_lo = items.seg_lo[piece_seg] + (start - offset)
+    new_item_base = _indptr(chunks)
+    num_new = int(new_item_base[-1])
+    piece_new_item = new_item_base[seg_item[piece_seg]] + piece_chunk
+    chunk_item = np.repeat(np.arange(n), chunks)
+    q_cnt = items.item_queries[chunk_item]
+    q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
+    q_tokens = None
+    if items.q_tokens is not None and np.array_equal(items.q_tokens, np.repeat(length, items.item_queries)):
+        # queries that saw their items whole see every chunk whole
+        local = np.arange(num_new) - new_item_base[chunk_item]
+        cl = chunk_len[chunk_item]
+        q_tokens = np.repeat(np.minimum(cl, length[chunk_item] - local * cl), q_cnt)
+    # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
+    # already grouped by new item
+    return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
+                     piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
+
+
+def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
+                  min_len: int) -> tuple[WorkItems, int | None]:
+    """Split the items whose programs are longer than a fair share of the work (PAT's long-KV
+    split, by work rather than by token count).
+
+    A program is one query tile (``tile_rows`` rows of queries x GQA ``group``) of an item for one
+    KV head, and walks the item's tokens. When few programs hold most of the work (many queries
+    verifying a token tree over one long context: a handful of tall tiles, thousands of tiny
+    ones) they run on a few SMs while the rest idle, whatever the program count. The fair share
+    is the total work (tokens walked by all programs) over ``slots`` concurrent programs; items
+    longer than it (and than ``min_len``) are split into chunks of about that length.
+
+    Returns the items and the split length (``None`` when nothing was split).
+    """
+    length, nq = items.item_len, items.item_queries
+    used = (length > 0) & (nq > 0)
+    if not used.any():
+        return items, None
+    tiles = -(-(nq[used] * group) // tile_rows)
+    share = -(-int(tiles @ length[used]) * num_kv_heads // max(1, slots))
+    max_len = max(share, min_len)
+    if int(length[used].max()) <= max_len:
+        return items, None
+    return split_long_items(items, max_len), max_len
+
+
+def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
+    """Items of a tree whose edges are cut or glued (PAT's merge schemes, FastTree's binary edge
+    assignment).
+
+    ``glued[c]`` says the edge ``parent(c) -> c`` is glued: ``c``'s queries attend to the parent's
+    context inside ``c``'s item instead of in the parent's item. Each node ``b`` yields one item:
+    the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
+    the bottom of such a chain on their path.
+    """
+    n, parents, depth = tree.num_nodes, tree.parents, tree.topology.depth
+    glued = glued & (parents >= 0)
+    # top of each node's chain, by pointer jumping
+    top = np.where(glued, parents, np.arange(n))
+    for _ in range(int(depth.max()).bit_length()):
+        top = top[top]
+    chain_len = depth - depth[top] + 1
+    seg_indptr = _indptr(chain_len)
+    # chain of every node: walk up from its own (last) slot of the chain, one level per step
+    chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
+    pos, cur = seg_indptr[1:] - 1, np.arange(n)
+    chain[pos] = cur
+    cur = np.flatnonzero(chain_len > 1)
+    pos = pos[cur]
+    while cur.size:
+        pos, cur = pos - 1, parents[cur]
+        chain[pos] = cur
+        up = glued[cur]
+        pos, cur = pos[up], cur[up]
+    extent = tree.node_extent
+    seg_hi = extent[chain]
+    item_len = _segment_sum(seg_hi, seg_indptr)
+    # pairs by node: a pair's node is the bottom of a chain unless the next node on its query's
+    # path is glued to it; a query sees its items whole, but for the item ending at its own
+    # (effective) node, of which it sees the first ``visible`` tokens
+    q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
+    bottom = ~np.append(glued, False)[nxt]
+    b = node[bottom]
+    q_tokens = (item_len - extent)[b] + visible[bottom]
+    return WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi, _indptr(np.bincount(b, minlength=n)),
+                     q[bottom], q_tokens)

@@ -1,0 +1,31 @@
+"""``node``: DeFT-Node, KV-guided grouping by tree node.
+
+One work item per node holding all queries that see any of its tokens, so every KV token is read
+once; the item count and sizes follow the tree, which balances poorly (DeFT Sec. 3.3).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems
+from treeattn.plan.plan import HeadConfig
+from treeattn.tree import DecodingTree
+
+
+def node_items(tree: DecodingTree) -> WorkItems:
+    """One item per node with visible tokens: the node (up to the last token anyone sees) and every
+    query seeing part of it."""
+    q, node, _, visible = tree.pairs_by_node
+    seen = visible > 0  # (zero-length nodes have pairs but no visible tokens)
+    if not seen.all():
+        q, node, visible = q[seen], node[seen], visible[seen]
+    extent = tree.node_extent
+    nodes = np.flatnonzero(extent > 0)  # exactly the nodes of the pairs left
+    q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
+    np.cumsum(np.bincount(node, minlength=tree.num_nodes)[nodes], out=q_indptr[1:])
+    return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), extent[nodes], q_indptr, q, visible)
+
+
+def plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    return node_items(tree), "node: one item per tree node"

@@ -1,0 +1,24 @@
+"""``sequence``: Q-guided grouping with Flash-Decoding's KV split (the vLLM / SGLang baseline).
+
+Every query attends to its own root-to-node path as if it were an ordinary sequence, so a KV token
+shared by ``s`` queries is read ``s`` times. Long paths are split so that the grid has about
+``cost.target_programs`` programs, as Flash-Decoding does.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, items_from_groups, split_long_items
+from treeattn.plan.plan import HeadConfig
+from treeattn.tree import DecodingTree
+
+
+def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    q, node, visible = tree.visible_pairs
+    path = tree.visible_tokens
+    items = items_from_groups(q, node, np.zeros_like(node), visible, np.arange(tree.num_queries),
+                              np.arange(tree.num_queries), tree.num_queries, q_tokens=path)
+    splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
+    max_len = max(cost.min_split_tokens, -(-int(path.max()) // splits))
+    return split_long_items(items, max_len), f"sequence: KV split at {max_len} tokens"

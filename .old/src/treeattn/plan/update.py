@@ -1,0 +1,128 @@
+"""Lazy plan update (PAT Sec. 5.1): after a decode step appends tokens to nodes whose whole KV was
+planned (typically every leaf gains one token), patch the plan instead of planning again.
+
+Each grown node's new slots are spliced in right after every planned copy of its old last token,
+so they join the work items that already read that node's tail (with the same queries, which now
+see them too), and every work range is shifted by the tokens inserted before it. The structure
+(items, query tiles, merge map, launches) is kept. Work is O(nodes + work units) plus one pass
+over the tree's slots (to check that the old ones are unchanged) and one copy of the planned KV
+list (and of the tree mask, when the plan has one).
+"""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+from treeattn.plan.plan import Plan, PlanHost
+from treeattn.tree import DecodingTree
+
+__all__ = ["update_plan"]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` for integer arrays of one dtype, a few times cheaper on small ones."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _grown(h: PlanHost, tree: DecodingTree) -> np.ndarray | None:
+    """Tokens each node gained, or None when ``tree`` is not ``h.tree`` with tokens appended to
+    some nodes: same parents and queries, queries that saw their whole node see it whole again,
+    the others keep their prefix. (Whether the old tokens keep their slots is left to the
+    caller.)"""
+    old = h.tree
+    if tree.page_size != old.page_size or tree.num_nodes != old.num_nodes or \
+            tree.num_queries != old.num_queries:
+        return None
+    if not (_same(tree.parents, old.parents) and _same(tree.query_nodes, old.query_nodes)):
+        return None
+    grown = tree.lengths - old.lengths
+    if grown.min() < 0:
+        return None
+    expect = np.where(h.saw_all, tree.lengths[old.query_nodes], old.query_prefix)
+    return grown if _same(tree.query_prefix, expect) else None
+
+
+def _replace(obj, **changes):
+    """``dataclasses.replace`` for the frozen dataclasses here (none has ``__post_init__``) at a
+    fraction of its cost: a shallow copy with the changed fields set."""
+    new = copy.copy(obj)
+    for name, value in changes.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
+    """``plan`` patched for ``tree`` (``plan``'s tree with tokens appended to some nodes), or None
+    when the change is not such an append (the caller then plans again).
+
+    Appends to a node whose tail no work item reads (nobody saw it) also return None.
+    """
+    h = plan.host
+    if h is None:
+        return None
+    grown = _grown(h, tree)
+    if grown is None:
+        return None
+    old = h.tree
+    appended = tree.kv_indices.size - old.kv_indices.size  # == grown.sum()
+    if appended == 0:
+        return plan if np.array_equal(tree.kv_indices, old.kv_indices) else None
+    counts = grown[h.tail_node]  # tokens appended after each planned tail (0: not grown)
+    inserted = np.zeros(counts.size + 1, dtype=np.int32)  # inserted[k]: after tails[:k]
+    inserted[1:] = np.cumsum(counts)
+    added = int(inserted[-1])
+    # new entry i (the j-th of tail k, so i = inserted[k] + j) goes right after that tail, which
+    # moves to tail_pos[k] + inserted[k]; it holds token kv_indptr[node + 1] - counts[k] + j
+    src = np.repeat(np.arange(counts.size), counts)  # k of each new entry
+    i = np.arange(added)
+    token = (tree.kv_indptr[1:][h.tail_node] - inserted[1:])[src] + i
+    # the new entries name the appended tokens of every grown node with a planned tail (some more
+    # than once); the other tokens must be the old slots, in order (so a grown node whose tail no
+    # item reads leaves too many: plan again)
+    old_token = np.ones(tree.kv_indices.size, dtype=bool)
+    old_token[token] = False
+    if not np.array_equal(tree.kv_indices[old_token], old.kv_indices):
+        return None
+    tail_at = h.tail_pos[src]
+    new_at = tail_at + (i + 1)
+    keep_old = np.ones(h.kv_slots.size + added, dtype=bool)
+    keep_old[new_at] = False
+
+    def splice(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        out = np.empty(keep_old.size, dtype=old.dtype)
+        out[keep_old] = old
+        out[new_at] = new
+        return out
+
+    new_slots = tree.kv_indices[token]
+    # a range [s, e) moves by the tokens inserted after the tails before s (its end: before e)
+    host = {"kv_indices": splice(h.kv_slots, new_slots),
+            "work_kv_start": h.work_kv_start + inserted[h.start_tails],
+            "work_kv_end": h.work_kv_end + inserted[h.end_tails]}
+    if plan.has_mask:
+        # tin/tout depend on the parents only, so new entries copy their tail's mask range
+        host["mask_lo"] = splice(h.mask_lo, h.mask_lo[tail_at])
+        host["mask_hi"] = splice(h.mask_hi, h.mask_hi[tail_at])
+        host["mask_pos"] = splice(h.mask_pos, (old.lengths[h.tail_node] - inserted[:-1])[src] + i)
+        host["query_prefix"] = tree.query_prefix.astype(np.int32)
+    t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
+    device = plan.device
+    if device.type != "cpu":
+        t = {k: a.to(device, non_blocking=True) for k, a in t.items()}
+    heads = plan.heads
+    per_token = heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
+    added_tiles = int(counts @ h.tail_cover)  # each work unit over a tail reads its new entries
+    io = plan.io
+    t["io"] = _replace(
+        io, kv=io.kv + added * per_token,
+        kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
+        index=io.index + added_tiles * 4 * heads.num_kv_heads,
+        mask=io.mask + (added_tiles * 12 * heads.num_kv_heads if plan.has_mask else 0))
+    t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
+    t["host"] = _replace(
+        h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
+        mask_lo=host.get("mask_lo"), mask_hi=host.get("mask_hi"), mask_pos=host.get("mask_pos"),
+        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"], tree=tree)
+    return _replace(plan, **t)

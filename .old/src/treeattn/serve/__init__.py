@@ -1,0 +1,15 @@
+"""Online serving: continuous batching over a shared-prefix radix cache and an OpenAI-compatible
+HTTP server.
+
+* :mod:`.radix` -- :class:`PrefixCache`, prompts cached as token-keyed block chains on the engine's
+  paged pool (reference counts by structure, LRU eviction).
+* :mod:`.scheduler` -- :class:`Scheduler`, continuous batching (admission by free KV pages,
+  preemption) on its own engine thread.
+* :mod:`.protocol`, :mod:`.server` -- ``/v1/completions`` validation and the FastAPI app (needs
+  ``fastapi`` and ``uvicorn``).
+* :mod:`.bench` -- replay of PAT's conversation trace against a server (needs ``httpx``).
+"""
+from treeattn.serve.radix import PrefixCache
+from treeattn.serve.scheduler import QueueFull, Request, SamplingParams, Scheduler
+
+__all__ = ["PrefixCache", "QueueFull", "Request", "SamplingParams", "Scheduler"]

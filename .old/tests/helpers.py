@@ -1,0 +1,113 @@
+"""Shared test helpers: random trees, error metrics and the plan-coverage invariant."""
+from __future__ import annotations
+
+import datetime
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hypothesis import strategies as st
+
+from treeattn import DecodingTree
+from treeattn.plan import Plan
+from treeattn.reference import visibility_mask
+from treeattn.topology import ranges
+
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-10}
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all(), "output has NaN/inf"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def random_parents(rng: np.random.Generator, n: int, roots: int = 1) -> np.ndarray:
+    """A random forest on n nodes with ids in random order (parents need not precede children)."""
+    roots = max(1, min(roots, n))
+    parents = np.full(n, -1, dtype=np.int64)
+    for i in range(roots, n):
+        parents[i] = rng.integers(0, i)
+    perm = rng.permutation(n)  # node i of the result is node perm[i] of the construction
+    inv = np.argsort(perm)
+    return np.where(parents[perm] < 0, -1, inv[np.maximum(parents[perm], 0)])
+
+
+def random_tree(rng: np.random.Generator, n: int, max_len: int, *, roots: int = 1,
+                inner_queries: bool = False) -> DecodingTree:
+    """Random forest whose roots hold >= 1 token, with one query per leaf (prefix = all or, for a
+    speculative-style tree, random prefixes and queries at inner nodes too)."""
+    parents = random_parents(rng, n, roots)
+    lengths = rng.integers(0, max_len + 1, n)
+    lengths[parents < 0] = np.maximum(lengths[parents < 0], 1)
+    if not inner_queries:
+        return DecodingTree.from_parents(parents, lengths)
+    nodes = rng.integers(0, n, size=int(rng.integers(1, 2 * n + 1)))
+    prefix = np.array([rng.integers(0, lengths[v] + 1) for v in nodes])
+    tree = DecodingTree.from_parents(parents, lengths)
+    path = tree.topology.path_tokens[nodes] + prefix
+    prefix = np.where(path == 0, lengths[nodes], prefix)  # every query must see something
+    keep = tree.topology.path_tokens[nodes] + prefix > 0
+    return tree.with_queries(nodes[keep], prefix[keep])
+
+
+@st.composite
+def forests(draw, max_nodes: int = 300, max_len: int = 300, inner_queries: bool | None = None):
+    seed = draw(st.integers(0, 2**32 - 1))
+    n = draw(st.integers(1, max_nodes))
+    roots = draw(st.integers(1, max(1, min(n, 4))))
+    max_l = draw(st.integers(0, max_len))
+    inner = draw(st.booleans()) if inner_queries is None else inner_queries
+    return random_tree(np.random.default_rng(seed), n, max_l, roots=roots, inner_queries=inner)
+
+
+def planned_coverage(tree: DecodingTree, plan: Plan) -> tuple[np.ndarray, np.ndarray]:
+    """(query, token position in tree.kv_indices) for every KV token the plan lets each query see,
+    after the tree mask; sorted. Slots are unique per token in these tests."""
+    kv = plan.kv_indices.cpu().numpy().astype(np.int64)
+    start = plan.work_kv_start.cpu().numpy().astype(np.int64)
+    end = plan.work_kv_end.cpu().numpy().astype(np.int64)
+    indptr = plan.work_row_indptr.cpu().numpy().astype(np.int64)
+    row_q = plan.row_q_indices.cpu().numpy().astype(np.int64)
+    row_work = np.repeat(np.arange(start.size), np.diff(indptr))
+    pos = ranges(start[row_work], end[row_work])
+    q = np.repeat(row_q, (end - start)[row_work])
+    if plan.has_mask:
+        lo, hi, p = (t.cpu().numpy()[pos] for t in (plan.mask_lo, plan.mask_hi, plan.mask_pos))
+        qp = plan.query_pos.cpu().numpy()[q]
+        qpre = plan.query_prefix.cpu().numpy()[q]
+        vis = (lo <= qp) & (qp < hi) & ((lo < qp) | (p < qpre))
+        q, pos = q[vis], pos[vis]
+    slot_to_token = np.empty(int(tree.kv_indices.max()) + 1, dtype=np.int64)
+    slot_to_token[tree.kv_indices] = np.arange(tree.kv_indices.size)
+    tok = slot_to_token[kv[pos]]
+    order = np.lexsort((tok, q))
+    return q[order], tok[order]
+
+
+def expected_coverage(tree: DecodingTree) -> tuple[np.ndarray, np.ndarray]:
+    q, tok = np.nonzero(visibility_mask(tree))
+    return q.astype(np.int64), tok.astype(np.int64)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker, world: int, args: tuple, out_dir, *, timeout: float) -> list:
+    """Run ``worker(rank, *args)`` on ``world`` processes, killing them after ``timeout`` seconds;
+    returns what each rank saved to ``out_dir/rank{r}.pt``."""
+    ctx = mp.spawn(worker, args=args, nprocs=world, join=False)
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    while not ctx.join(timeout=1.0):
+        if datetime.datetime.now() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"job with {world} ranks ({worker.__name__}) timed out")
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]

@@ -1,0 +1,154 @@
+"""The public API: tree_attention's contract, plan/run validation, merge_states."""
+import numpy as np
+import pytest
+import torch
+
+from helpers import rel_l2
+from treeattn import (STRATEGIES, DecodingTree, KVPool, KVPoolOutOfMemory, TreeAttention,
+                      merge_states, reference_attention, tree_attention)
+
+
+def dense_path_attention(q, k, v, parents, lengths, query_nodes, query_prefix):
+    """Attention of each query over its explicitly gathered path (independent of the tree code)."""
+    starts = np.concatenate(([0], np.cumsum(lengths)))
+    outs = []
+    for i, (node, prefix) in enumerate(zip(query_nodes, query_prefix)):
+        toks = list(range(starts[node], starts[node] + prefix))
+        u = parents[node]
+        while u >= 0:
+            toks = list(range(starts[u], starts[u + 1])) + toks
+            u = parents[u]
+        kk = k[toks].double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+        vv = v[toks].double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), kk) / q.shape[2] ** 0.5, -1)
+        outs.append(torch.einsum("ht,thd->hd", p, vv))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tree_attention_contract(backend, strategy):
+    parents = [3, 3, 0, -1, 0]  # parents after children; node 3 is the root
+    lengths = [4, 6, 2, 9, 1]
+    q = torch.randn(3, 4, 64)
+    k, v = torch.randn(22, 2, 64), torch.randn(22, 2, 64)
+    out = tree_attention(q, k, v, parents, lengths, strategy=strategy, backend=backend)
+    ref = dense_path_attention(q, k, v, parents, lengths, [1, 2, 4], [6, 2, 1])  # leaves in id order
+    assert rel_l2(out, ref) <= 1e-4
+    out = tree_attention(q, k, v, parents, lengths, query_nodes=[0, 3, 1], query_prefix=[2, 5, 0],
+                         strategy=strategy, backend=backend)
+    ref = dense_path_attention(q, k, v, parents, lengths, [0, 3, 1], [2, 5, 0])
+    assert rel_l2(out, ref) <= 1e-4
+
+
+def test_tree_attention_bad_inputs():
+    q, k = torch.randn(2, 4, 16), torch.randn(10, 2, 16)
+    with pytest.raises(ValueError, match="lengths sum to 9"):
+        tree_attention(q, k, k, [-1, 0, 0], [5, 2, 2])
+    with pytest.raises(ValueError, match="q has 2 queries but the tree has 1"):
+        tree_attention(q, k, k, [-1, 0], [5, 5])
+    with pytest.raises(ValueError, match="do not match"):
+        tree_attention(torch.randn(2, 3, 16), k, k, [-1, 0, 0], [6, 2, 2])
+    with pytest.raises(TypeError, match="dtype mismatch"):
+        tree_attention(q.double(), k, k, [-1, 0, 0], [6, 2, 2])
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        tree_attention(q.numpy(), k, k, [-1, 0, 0], [6, 2, 2])
+    with pytest.raises(ValueError, match="unknown strategy"):
+        tree_attention(q, k, k, [-1, 0, 0], [6, 2, 2], strategy="radix")
+    with pytest.raises(ValueError, match="unknown backend"):
+        tree_attention(q, k, k, [-1, 0, 0], [6, 2, 2], backend="cuda")
+    with pytest.raises(ValueError, match="cycle"):
+        tree_attention(q, k, k, [1, 2, 0], [6, 2, 2])
+    with pytest.raises(TypeError, match="dtype"):
+        tree_attention(q.int(), k.int(), k.int(), [-1, 0, 0], [6, 2, 2])
+
+
+def test_run_validates_against_the_plan():
+    tree = DecodingTree.from_parents([-1, 0, 0], [8, 3, 3])
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    q, kc = torch.randn(2, 4, 32), torch.randn(14, 1, 2, 32)
+    with pytest.raises(ValueError, match="3 queries"):
+        w.run(torch.randn(3, 4, 32), kc, kc, plan)
+    with pytest.raises(ValueError, match="head shape mismatch"):
+        w.run(torch.randn(2, 4, 32), torch.randn(14, 1, 4, 32), torch.randn(14, 1, 4, 32), plan)
+    with pytest.raises(ValueError, match="page out of range"):
+        w.run(q, kc[:10], kc[:10], plan)
+    with pytest.raises(ValueError, match="page size 2"):
+        w.run(q, kc.view(7, 2, 2, 32), kc.view(7, 2, 2, 32), plan)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        w.run(torch.randn(2, 32, 4).transpose(1, 2), kc, kc, plan)
+    with pytest.raises(ValueError, match="out must be"):
+        w.run(q, kc, kc, plan, out=torch.empty(2, 4, 16))
+    with pytest.raises(TypeError, match="plan must be a Plan"):
+        w.run(q, kc, kc, "plan")
+    with pytest.raises(ValueError, match="workspace"):
+        TreeAttention(torch.empty(4), backend="triton").plan(tree, num_qo_heads=4, num_kv_heads=2,
+                                                              head_dim=32)
+
+
+def test_caller_owned_workspace_and_lse():
+    tree = DecodingTree.from_parents([-1, 0, 0, 1], [30, 3, 7, 2])
+    ws = torch.empty(1 << 16)
+    w = TreeAttention(ws, backend="triton")
+    plan = w.plan(tree, num_qo_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, strategy="node")
+    assert plan.workspace_bytes() <= ws.numel() * 4
+    q, k, v = torch.randn(2, 2, 16), torch.randn(42, 1, 1, 16), torch.randn(42, 1, 1, 16)
+    out, lse = w.run(q, k, v, plan, return_lse=True)
+    o_ref, lse_ref = reference_attention(q, k, v, tree)
+    assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
+    assert lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_merge_states(backend, device):
+    n, s, h, d = 5, 3, 4, 24
+    k, v = torch.randn(n, s * 7, h, d, dtype=torch.float64), torch.randn(n, s * 7, h, d, dtype=torch.float64)
+    q = torch.randn(n, h, d, dtype=torch.float64)
+    scores = torch.einsum("nhd,nthd->nht", q, k)
+    full_lse = torch.logsumexp(scores, -1)
+    full_o = torch.einsum("nht,nthd->nhd", torch.softmax(scores, -1), v)
+    parts = scores.view(n, h, s, 7)
+    lse = torch.logsumexp(parts, -1).permute(0, 2, 1)  # [n, s, h]
+    o = torch.einsum("nhst,nsthd->nshd", torch.softmax(parts, -1), v.view(n, s, 7, h, d))
+    lse[0, 1] = float("-inf")  # an empty partial state contributes nothing
+    o[0, 1] = 0
+    full_lse[0] = torch.logsumexp(torch.stack([parts[0, :, 0], parts[0, :, 2]], 1).reshape(h, -1), -1)
+    full_o[0] = (torch.exp(lse[0, 0] - full_lse[0])[:, None] * o[0, 0]
+                 + torch.exp(lse[0, 2] - full_lse[0])[:, None] * o[0, 2])
+    dev = device if backend == "triton" else "cpu"
+    mo, ml = (t.cpu() for t in merge_states(o.float().to(dev), lse.float().to(dev), backend=backend))
+    assert rel_l2(mo, full_o) <= 1e-5 and rel_l2(ml, full_lse) <= 1e-6
+    with pytest.raises(ValueError, match="N, S, H, D"):
+        merge_states(o[0], lse[0])
+
+
+def test_pool_stays_consistent_after_errors():
+    pool = KVPool(num_pages=4, page_size=4, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    b = pool.new_branch()
+    pool.append(b, 10)
+    with pytest.raises(KVPoolOutOfMemory):
+        pool.append(pool.fork(b), 100)
+    pool.check()
+    tree = pool.tree()
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
+    with pytest.raises(TypeError, match="dtype mismatch"):
+        w.run(torch.randn(tree.num_queries, 1, 8, dtype=torch.float16), pool.k_cache(0), pool.v_cache(0), plan)
+    pool.check()
+
+
+@pytest.mark.parametrize("s", [1, 16, 37])
+def test_merge_states_many_rows_matches_torch(device, s):
+    """Queries with many partial rows, one of them with no KV at all, against the torch backend."""
+    n, heads, d = 70, 40, 48
+    o = torch.randn(n, s, heads, d)
+    lse = torch.randn(n, s, heads) * 3
+    lse[1] = float("-inf")  # no KV at all: output 0, lse -inf
+    lse[2, : s // 2] = float("-inf")
+    mo, ml = (t.cpu() for t in merge_states(o.to(device), lse.to(device), backend="triton"))
+    ro, rl = merge_states(o, lse, backend="torch")
+    assert torch.isinf(ml[1]).all() and (ml[1] < 0).all() and not mo[1].abs().any()
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[1] = False
+    assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6

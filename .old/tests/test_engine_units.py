@@ -1,0 +1,279 @@
+"""Engine pieces on their own: model-directory and template errors, samplers, the sequence tree and
+KV cache managers."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from treeattn import KVPool  # noqa: E402
+from treeattn.engine import (KVCacheManager, ModelConfig, Sampler, SequenceTree, TreeEngine,  # noqa: E402
+                             TreeModel, load_config)
+from treeattn.engine.workloads import (SpeculativeReplayController, ToTReplayController,  # noqa: E402
+                                       WorkloadSpec, build_workload)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                   eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _copy_config(src, dst, **changes):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(changes)
+    dst.mkdir(exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+# ---------------------------------------------------------------------- malformed model directories
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        TreeModel.from_pretrained(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        TreeModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"model_type": "gpt2"}, "unsupported model_type 'gpt2'"),
+    ({"hidden_size": None}, "hidden_size must be a positive integer"),
+    ({"num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn' is not supported"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}}, "lacks"),
+])
+def test_bad_config_values(tmp_path, hf_dir, changes, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(_copy_config(hf_dir, tmp_path / "m", **changes))
+
+
+def test_bad_config_json_and_missing_keys(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="invalid JSON"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    with pytest.raises(ValueError, match="missing required key"):
+        load_config(tmp_path)
+
+
+def test_pickle_only_checkpoint_is_refused(tmp_path, hf_dir):
+    d = _copy_config(hf_dir, tmp_path / "m")
+    (d / "pytorch_model.bin").write_bytes(b"not unpickled")
+    with pytest.raises(ValueError, match="never unpickles"):
+        TreeModel.from_pretrained(d)
+    (d / "pytorch_model.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        TreeModel.from_pretrained(d)
+
+
+def test_broken_shards_and_tensors(tmp_path, hf_dir):
+    from safetensors.torch import load_file, save_file
+
+    d = _copy_config(hf_dir, tmp_path / "m")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "shard-1.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="shard-1.safetensors"):
+        TreeModel.from_pretrained(d)
+    (d / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ValueError, match="malformed safetensors index"):
+        TreeModel.from_pretrained(d)
+    (d / "model.safetensors.index.json").unlink()
+    tensors = load_file(hf_dir / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ValueError, match="lacks 1 tensor"):
+        TreeModel.from_pretrained(d)
+    _copy_config(hf_dir, d, intermediate_size=48)
+    save_file(load_file(hf_dir / "model.safetensors"), d / "model.safetensors")
+    with pytest.raises(ValueError, match="has shape"):
+        TreeModel.from_pretrained(d)
+
+
+def test_presets_and_positions():
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ModelConfig.preset("llama-1t")
+    assert ModelConfig.preset("llama3-8b").num_parameters() == pytest.approx(8.03e9, rel=0.01)
+    m = TreeModel.random(ModelConfig(
+        arch="mistral", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=8, max_position_embeddings=64, sliding_window=8))
+    eng = TreeEngine(m, kv_tokens=256)
+    with pytest.raises(ValueError, match="sliding window"):
+        eng.prefill(eng.tree.add_root(), list(range(9)))
+
+
+# ---------------------------------------------------------------------- malformed workloads
+def test_malformed_templates(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"data": {"0": {"id": 0, "value": 5, "children": [7]}}}]))
+    with pytest.raises(ValueError, match="child 7, which is not a node"):
+        ToTReplayController.from_template(str(bad), 0, vocab_size=16)
+    bad.write_text(json.dumps([{"data": {"0": {"id": 0, "value": 5, "children": []},
+                                         "1": {"id": 1, "value": 5, "children": []}}}]))
+    with pytest.raises(ValueError, match="exactly one root"):
+        ToTReplayController.from_template(str(bad), 0, vocab_size=16)
+    with pytest.raises(FileNotFoundError, match="no workload"):
+        ToTReplayController.from_template("no-such-template", 0, vocab_size=16)
+    with pytest.raises(ValueError, match="no record 999"):
+        SpeculativeReplayController.from_medusa(32, 999, vocab_size=16)
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload(WorkloadSpec("chess", vocab_size=16))
+    with pytest.raises(ValueError, match="unknown ToT template"):
+        build_workload(WorkloadSpec("tot-chess", vocab_size=16))
+
+
+# ---------------------------------------------------------------------- samplers
+def test_samplers():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    assert torch.equal(Sampler(greedy=True)(logits), logits.argmax(-1))
+    assert torch.equal(Sampler(top_k=1, seed=3)(logits), logits.argmax(-1))
+    assert torch.equal(Sampler(top_p=1e-6, seed=3)(logits), logits.argmax(-1))
+    a, b = Sampler(seed=7), Sampler(seed=7)
+    assert torch.equal(a(logits), b(logits))
+    top3 = torch.topk(logits, 3).indices
+    for _ in range(20):
+        t = Sampler(top_k=3, seed=_)(logits)
+        assert all(t[i] in top3[i] for i in range(5))
+    draws = Sampler(seed=1)(torch.log(torch.tensor([[0.7, 0.3]])).expand(20000, 2))
+    assert abs(draws.float().mean().item() - 0.3) < 0.02
+    for bad in ({"temperature": 0}, {"top_k": -1}, {"top_p": 0}):
+        with pytest.raises(ValueError):
+            Sampler(**bad)
+
+
+# ---------------------------------------------------------------------- tree and KV managers
+def test_branch_prune_and_cascade_free_pages():
+    pool = KVPool(64, 4, 1, 8, num_layers=1, dtype=torch.float32)
+    tree = SequenceTree(KVCacheManager(pool))
+    root = tree.add_root()
+    tree.extend(root, list(range(10)))
+    a, b = tree.branch(root, 2)
+    tree.extend(a, [1, 2])
+    a1, a2 = tree.branch(a, 2)
+    tree.extend(a1, [3])
+    tree.append_one([a2, b], torch.tensor([4, 5]))
+    with pytest.raises(ValueError, match="only leaves grow"):
+        tree.extend(a, [9])
+    assert tree.tokens(a1) == list(range(10)) + [1, 2, 3] and tree.tokens(b) == list(range(10)) + [5]
+    assert tree.path_len(a2) == 13 and tree.active() == [b, a1, a2]
+    dt = tree.decoding_tree([a1, a2, b])
+    assert dt.num_queries == 3 and dt.num_tokens == 10 + 2 + 1 + 1 + 1
+    tree.prune(a1)
+    tree.prune(a2)                      # a is frozen and childless now: it goes too
+    assert a not in tree and root in tree
+    tree.finish(b, score=1.0)
+    assert tree.result_tokens(tree.results[0])[-1] == 5
+    tree.prune(b)                       # ... and so does the root
+    assert tree.num_nodes == 0
+    pool.check()
+    assert pool.num_free_pages == pool.num_pages
+    with pytest.raises(ValueError, match="unknown node"):
+        tree.prune(b)
+
+
+def test_reserved_slots_become_tokens_or_holes():
+    pool = KVPool(32, 4, 1, 8, num_layers=2, dtype=torch.float32)
+    kv = KVCacheManager(pool)
+    kv.new_root(0)
+    kv.append(0, 3)
+    res = kv.reserve(0, 5)
+    assert np.array_equal(kv.append(0, 2), res[:2]) and kv.num_tokens(0) == 5
+    kv.drop_reserved(0)
+    assert kv.append(0, 1)[0] not in res and pool.length(kv._branch[0]) == 3 + 5 + 1
+    src, dst = torch.tensor([0, 1]), torch.tensor([5, 6])
+    pool.k_cache(1).view(-1, 1, 8)[src] = 1.0
+    kv.copy(src, dst)
+    assert torch.all(pool.k_cache(1).view(-1, 1, 8)[dst] == 1.0)
+    kv.remove(0)
+    kv.release_private()
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_prefill_rejects_token_ids_outside_the_vocabulary():
+    import pytest
+
+    from treeattn.engine import BeamSearchController, TreeEngine, TreeModel
+
+    engine = TreeEngine(TreeModel.random("tiny", device="cpu"))
+    with pytest.raises(ValueError, match="out of the model's vocabulary"):
+        engine.run(BeamSearchController([1, 10**6], num_beams=2, max_new_tokens=2))
+    with pytest.raises(ValueError, match="out of the model's vocabulary"):
+        engine.run(BeamSearchController([-3, 1], num_beams=2, max_new_tokens=2))
+
+
+def test_precompile_kernels_is_a_no_op_on_the_torch_backend():
+    from treeattn.engine import TreeEngine, TreeModel
+
+    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=256, backend="torch")
+    assert eng.precompile_kernels() == 0
+
+
+def test_verify_trees_share_structure_and_plan_as_fresh_trees():
+    """Speculative verification steps build trees with the previous step's structure; their plans
+    are those of trees built from scratch."""
+    from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
+
+    pool = KVPool(256, 16, 1, 8, num_layers=1, dtype=torch.float32)
+    kv = KVCacheManager(pool)
+    tree = SequenceTree(kv)
+    ctx = tree.add_root()
+    tree.extend(ctx, list(range(300)))
+    drafts = np.array([-1, -1, 0, 0, 1, 2, 2, 5, -1, 4])
+    heads = HeadConfig(32, 8, 128, torch.bfloat16)
+    prev = None
+    for accept in (3, 1, 4, 2):
+        tree.append_run(ctx, torch.tensor([7]))
+        dt = tree.decoding_tree([ctx], drafts=(ctx, drafts, kv.scratch(drafts.size)))
+        if prev is not None:
+            assert dt._structure is prev._structure
+        fresh = DecodingTree(dt.parents, dt.lengths, dt.kv_indptr, dt.kv_indices, dt.query_nodes,
+                             dt.query_prefix, dt.page_size, dt.num_slots)
+        for strategy in STRATEGIES:
+            a = make_plan(dt, heads, strategy=strategy)
+            b = make_plan(fresh, heads, strategy=strategy)
+            assert a.strategy == b.strategy and a.launches == b.launches
+            for name in ("kv_indices", "work_kv_start", "work_kv_end", "work_row_indptr", "row_q_indices",
+                         "merge_indptr", "merge_indices", "mask_lo", "mask_hi", "mask_pos", "query_pos",
+                         "query_prefix"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (strategy, name)
+        tree.append_run(ctx, torch.arange(accept - 1))
+        prev = dt
+
+
+def test_auto_decision_is_reused_until_the_tree_changes_scale():
+    """The engine's planner reuses auto's choice while a verify loop's tree keeps its shape, and
+    decides again once the growing prefix crosses a power of two of KV tokens."""
+    from treeattn import HeadConfig
+    from treeattn.engine.planning import StepPlanner
+    from treeattn.workloads import tree_from_medusa
+
+    planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="auto", device="cpu")
+    first = planner.plan(tree_from_medusa(32, context_len=90))  # 90 + 32 tokens: 7 bits
+    assert first.requested_strategy == "auto" and first.strategy == "sequence"
+    again = planner.plan(tree_from_medusa(32, context_len=80))
+    assert again.requested_strategy == "sequence"  # same shape, same octave: reused
+    longer = planner.plan(tree_from_medusa(32, context_len=2800))
+    assert longer.requested_strategy == "auto" and longer.strategy != "sequence"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_plans_are_64_byte_aligned():
+    """Triton specialises kernels on pointer alignment: every tensor of a plan moved to the GPU
+    starts 64-byte aligned, whatever the sizes of the tensors before it."""
+    from treeattn import HeadConfig
+    from treeattn.engine.planning import StepPlanner
+    from treeattn.workloads import tree_from_medusa
+
+    planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="flatten", device="cuda")
+    for ctx in (45, 301, 1000):
+        plan = planner.plan(tree_from_medusa(32, context_len=ctx), dynamic_prefix=True)
+        for name in ("kv_indices", "work_kv_start", "work_row_indptr", "row_q_indices", "row_direct",
+                     "merge_q_indices", "mask_lo", "mask_pos", "query_pos", "query_prefix"):
+            assert getattr(plan, name).data_ptr() % 64 == 0, name

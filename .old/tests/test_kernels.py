@@ -1,0 +1,198 @@
+"""The Triton kernels (under TRITON_INTERPRET=1 on CPU) and the torch backend against a float64
+reference, over strategies, tree shapes, page sizes, GQA ratios, head dims and dtypes.
+
+The full grid is too large for CI's two cores, so each axis is covered by a sampled case list
+in which every strategy, dtype, head dim, GQA ratio, page size and tree family appears."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import TOL, forests, random_tree, rel_l2
+from treeattn import STRATEGIES, KVPool, TreeAttention, reference_attention
+from treeattn.plan import CostModel
+from treeattn.workloads import tree_from_medusa, tree_from_spec
+
+TREES = {
+    "suite_deep": lambda rng: tree_from_spec("1,2,4,8_16,8,8,3"),
+    "suite_forest": lambda rng: tree_from_spec("2,8,16_24,12,5"),
+    "suite_wide": lambda rng: tree_from_spec("1,24_40,3"),
+    "medusa": lambda rng: tree_from_medusa(32, context_len=45),
+    "random": lambda rng: random_tree(rng, 25, 30, roots=2),
+    "random_inner_queries": lambda rng: random_tree(rng, 20, 20, roots=1, inner_queries=True),
+    "chain": lambda rng: tree_from_spec("1,1,1,1,1_7,9,1,13,2"),
+    "one_node": lambda rng: tree_from_spec("1_19"),
+}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEADS = ((4, 4), (8, 2), (8, 1))  # MHA, GQA 4, GQA 8
+DIMS = (64, 96, 128)
+PAGES = (1, 16)
+
+
+def _cases():
+    combos = []
+    for i, (strategy, tree) in enumerate(itertools.product(STRATEGIES, TREES)):
+        combos.append((strategy, tree, DTYPES[i % 3], HEADS[(i // 3) % 3], DIMS[(i // 2) % 3],
+                       PAGES[i % 2]))
+    return combos
+
+
+def paged_copy(tree, k, v, page_size, rng):
+    """Scatter contiguous K/V into a shuffled paged pool; returns (tree over the pool, k, v caches)."""
+    pool = KVPool(num_pages=tree.num_tokens // page_size + tree.num_nodes + 4, page_size=page_size,
+                  num_kv_heads=k.shape[1], head_dim=k.shape[2], dtype=k.dtype)
+    n_slots = pool.num_slots
+    slots = rng.permutation(n_slots)[: tree.num_tokens]
+    kc, vc = pool.k_cache(0), pool.v_cache(0)
+    kc.view(-1, *k.shape[1:])[torch.as_tensor(slots)] = k
+    vc.view(-1, *v.shape[1:])[torch.as_tensor(slots)] = v
+    paged = type(tree).from_parents(tree.parents, tree.lengths, query_nodes=tree.query_nodes,
+                                    query_prefix=tree.query_prefix, kv_indices=slots,
+                                    page_size=page_size, num_slots=n_slots)
+    return paged, kc, vc
+
+
+@pytest.mark.parametrize("strategy,tree_name,dtype,heads,head_dim,page_size", _cases())
+def test_triton_matches_float64_reference(rng, strategy, tree_name, dtype, heads, head_dim, page_size):
+    tree = TREES[tree_name](rng)
+    hq, hkv = heads
+    q = torch.randn(tree.num_queries, hq, head_dim).to(dtype)
+    k = torch.randn(tree.num_tokens, hkv, head_dim).to(dtype)
+    v = torch.randn(tree.num_tokens, hkv, head_dim).to(dtype)
+    paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
+    o_ref, lse_ref = reference_attention(q, kc, vc, paged)
+    w = TreeAttention(backend="triton")
+    plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype, strategy=strategy)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    lse = torch.full((tree.num_queries, hq), float("nan"))
+    w.run(q, kc, vc, plan, out=out, lse=lse)
+    assert rel_l2(out, o_ref) <= TOL[dtype]
+    assert rel_l2(lse, lse_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_backend_matches_reference(rng, strategy, dtype):
+    tree = random_tree(rng, 60, 40, roots=3, inner_queries=True)
+    q = torch.randn(tree.num_queries, 8, 32, dtype=dtype)
+    k = torch.randn(tree.num_tokens, 1, 2, 32, dtype=dtype)
+    v = torch.randn(tree.num_tokens, 1, 2, 32, dtype=dtype)
+    o_ref, lse_ref = reference_attention(q, k, v, tree)
+    w = TreeAttention(backend="torch")
+    plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype, strategy=strategy)
+    out, lse = w.run(q, k, v, plan, return_lse=True)
+    assert rel_l2(out, o_ref) <= TOL[dtype]
+    assert rel_l2(lse, lse_ref) <= 1e-6
+
+
+def test_plan_is_reused_across_layers(rng):
+    tree = tree_from_spec("1,3,9_20,10,4")
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, strategy="greedy")
+    for _ in range(3):
+        q = torch.randn(tree.num_queries, 4, 64)
+        k = torch.randn(tree.num_tokens, 1, 2, 64)
+        v = torch.randn(tree.num_tokens, 1, 2, 64)
+        assert rel_l2(w.run(q, k, v, plan), reference_attention(q, k, v, tree)[0]) <= 1e-4
+
+
+def test_sm_scale_and_large_logits(rng):
+    tree = tree_from_spec("1,4_33,5")
+    q = torch.randn(tree.num_queries, 2, 64) * 30  # large logits: online softmax must stay finite
+    k = torch.randn(tree.num_tokens, 1, 2, 64)
+    v = torch.randn(tree.num_tokens, 1, 2, 64)
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, strategy="flatten")
+    out = w.run(q, k, v, plan, sm_scale=0.3)
+    assert rel_l2(out, reference_attention(q, k, v, tree, sm_scale=0.3)[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@settings(max_examples=4)
+@given(tree=forests(max_nodes=30, max_len=40), page_size=st.sampled_from(PAGES),
+       seed=st.integers(0, 2**31))
+def test_triton_random_forests(strategy, tree, page_size, seed):
+    rng = np.random.default_rng(seed)
+    q = torch.randn(tree.num_queries, 4, 64)
+    k = torch.randn(tree.num_tokens, 1, 64)
+    v = torch.randn(tree.num_tokens, 1, 64)
+    paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
+    w = TreeAttention(backend="triton")
+    plan = w.plan(paged, num_qo_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, strategy=strategy)
+    assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@given(tree=forests(max_nodes=300, max_len=300), page_size=st.sampled_from(PAGES),
+       seed=st.integers(0, 2**31))
+def test_torch_backend_random_forests(strategy, tree, page_size, seed):
+    rng = np.random.default_rng(seed)
+    q = torch.randn(tree.num_queries, 2, 16, dtype=torch.float64)
+    k = torch.randn(tree.num_tokens, 2, 16, dtype=torch.float64)
+    v = torch.randn(tree.num_tokens, 2, 16, dtype=torch.float64)
+    paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
+    w = TreeAttention(backend="torch")
+    plan = w.plan(paged, num_qo_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, strategy=strategy)
+    assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-10
+
+
+
+def test_precompile_launches_every_variant():
+    """Serving warms Triton up front: every launch shape a plan can use, with and without the
+    tree mask, and every merge head-block, run once on dummy data."""
+    from treeattn.ops import precompile
+    from treeattn.plan.plan import HeadConfig, launch_shapes
+
+    heads = HeadConfig(8, 2, 16, torch.float32)
+    shapes = launch_shapes(heads)
+    assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
+    # x2 for the direct-output variant; merge head blocks 1, 2, 4, 8 with and without LSE
+    assert precompile(heads, page_size=16, device="cpu") == 2 * 2 * len(shapes) + 2 * 4
+
+
+@pytest.mark.parametrize("strategy,spec", [("sequence", "1,3_9,5"), ("flatten", "1,3_600,5"),
+                                           ("greedy", None)])
+def test_single_row_queries_skip_the_merge(rng, strategy, spec):
+    """A query's only partial row is written to ``out``/``lse`` by the attention kernel; only
+    queries with several rows go through the workspace and the merge. Poisoned workspace rows
+    of direct queries must not leak into the output."""
+    # (a fixed random forest with queries on inner nodes: some queries see one item, some more)
+    tree = tree_from_spec(spec) if spec else random_tree(np.random.default_rng(0), 20, 20, roots=2,
+                                                         inner_queries=True)
+    q, k, v = (torch.randn(n, h, 32) for n, h in ((tree.num_queries, 4), (tree.num_tokens, 2),
+                                                   (tree.num_tokens, 2)))
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                  strategy=strategy)
+    w._workspace.fill_(float("nan"))
+    out, lse = w.run(q, k[:, None], v[:, None], plan, return_lse=True)
+    o_ref, lse_ref = reference_attention(q, k[:, None], v[:, None], tree)
+    assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
+    merged = plan.merge_q_indices.numel()
+    if strategy == "sequence":  # one row per query: no merge launch at all
+        assert plan.num_direct == tree.num_queries and merged == 0
+    elif strategy == "flatten":  # the long leaves are split: every query merged
+        assert plan.num_direct == 0 and merged == tree.num_queries
+    else:  # queries on inner nodes see one item, the others several
+        assert plan.num_direct > 0 and merged > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_balance_split_of_a_verification_tree(rng, dtype):
+    """Tall query tiles over one long context among tiny draft-token items: greedy splits the
+    context by its fair share of the work (the balance path alone: target_programs=1)."""
+    tree = tree_from_medusa(32, context_len=300)
+    q = torch.randn(tree.num_queries, 8, 64).to(dtype)
+    k = torch.randn(tree.num_tokens, 2, 64).to(dtype)
+    v = torch.randn(tree.num_tokens, 2, 64).to(dtype)
+    paged, kc, vc = paged_copy(tree, k, v, 16, rng)
+    o_ref, lse_ref = reference_attention(q, kc, vc, paged)
+    w = TreeAttention(backend="triton", cost=CostModel(target_programs=1, min_split_tokens=64))
+    plan = w.plan(paged, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, strategy="greedy")
+    assert "fair share" in plan.reason
+    out, lse = w.run(q, kc, vc, plan, return_lse=True)
+    assert rel_l2(out, o_ref) <= TOL[dtype]
+    assert rel_l2(lse, lse_ref) <= 1e-5

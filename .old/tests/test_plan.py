@@ -1,0 +1,232 @@
+"""Planner invariants: every plan covers each query's visible tokens exactly once, KV IO matches
+each strategy's promise, plans are deterministic and leave their inputs alone."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+
+from helpers import expected_coverage, forests, planned_coverage, random_tree
+from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
+from treeattn.plan import CostModel
+from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
+from treeattn.plan.items import split_long_items
+from treeattn.plan.node import node_items
+from treeattn.plan.plan import _pair_visibility
+from treeattn.reference import visibility_mask
+from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
+
+HEADS = HeadConfig(8, 2, 64, torch.float16)
+KV_ONCE = ("node", "node_chunk", "flatten")
+
+
+def kv_bytes(tokens: int, heads: HeadConfig = HEADS) -> int:
+    return tokens * heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
+
+
+def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
+    plan = make_plan(tree, heads, strategy=strategy)
+    got_q, got_t = planned_coverage(tree, plan)
+    exp_q, exp_t = expected_coverage(tree)
+    assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t), \
+        f"{strategy}: planned tokens differ from each query's visible tokens (or repeat)"
+    seen_by_someone = int(visibility_mask(tree).any(0).sum())
+    if plan.strategy in KV_ONCE:
+        assert plan.io.kv == kv_bytes(seen_by_someone, heads)
+    elif plan.strategy == "sequence":
+        assert plan.io.kv == kv_bytes(int(tree.visible_tokens.sum()), heads)
+    else:  # pack / greedy may re-read a short prefix to save partial results
+        assert kv_bytes(seen_by_someone, heads) <= plan.io.kv <= kv_bytes(int(tree.visible_tokens.sum()), heads)
+    merge_counts = np.diff(plan.merge_indptr.numpy())
+    assert merge_counts.min() >= 1 and merge_counts.sum() == plan.num_rows
+    # a query's only row is written by the attention kernel, the others are merged
+    direct = merge_counts == 1
+    assert np.array_equal(plan.row_direct.numpy(), direct[plan.row_q_indices.numpy()])
+    assert np.array_equal(plan.merge_q_indices.numpy(), np.flatnonzero(~direct))
+    assert plan.num_direct == int(direct.sum())
+    assert plan.work_kv_start.dtype == torch.int32
+    bounds = [(l.work_start, l.work_end) for l in plan.launches]
+    assert bounds[0][0] == 0 and bounds[-1][1] == plan.num_work
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), "launches must tile the work units"
+    return plan
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@given(tree=forests(max_nodes=300, max_len=300))
+def test_random_forests(strategy, tree):
+    check_plan(tree, strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("spec", suite_trees("all"))
+def test_scaled_kernel_suite(strategy, spec):
+    check_plan(tree_from_spec(spec, scale=1 / 16), strategy, HeadConfig(32, 8, 128))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("case", ["one_node", "one_token", "chain", "star", "forest_of_singletons",
+                                  "zero_length_inner", "medusa64", "medusa256_flat"])
+def test_degenerate_and_speculative_trees(strategy, case):
+    tree = {
+        "one_node": lambda: DecodingTree.from_parents([-1], [37]),
+        "one_token": lambda: DecodingTree.from_parents([-1], [1]),
+        "chain": lambda: DecodingTree.from_parents([-1] + list(range(299)), [3] * 300),
+        "star": lambda: DecodingTree.from_parents([-1] + [0] * 200, [50] + [1] * 200),
+        "forest_of_singletons": lambda: DecodingTree.from_parents([-1] * 40, list(range(1, 41))),
+        "zero_length_inner": lambda: DecodingTree.from_parents([-1, 0, 1, 1, 0], [5, 0, 3, 0, 0],
+                                                               query_nodes=[2, 3, 4, 1]),
+        "medusa64": lambda: tree_from_medusa(64, context_len=300),
+        "medusa256_flat": lambda: tree_from_medusa(256, context_len=70, compress=False),
+    }[case]()
+    check_plan(tree, strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_plans_are_deterministic_and_pure(rng, strategy):
+    tree = random_tree(rng, 80, 60, roots=2, inner_queries=True)
+    before = {k: getattr(tree, k).copy() for k in ("parents", "lengths", "kv_indices", "query_nodes")}
+    a = make_plan(tree, HEADS, strategy=strategy)
+    b = make_plan(tree, HEADS, strategy=strategy)
+    for name in ("kv_indices", "work_kv_start", "work_kv_end", "work_row_indptr", "row_q_indices",
+                 "merge_indptr", "merge_indices", "row_direct", "merge_q_indices"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for k, v in before.items():
+        assert np.array_equal(getattr(tree, k), v), f"planner mutated tree.{k}"
+
+
+def test_shared_prefix_is_read_once_vs_per_query():
+    tree = tree_from_spec("1,64_1000,10")
+    seq = make_plan(tree, HEADS, strategy="sequence")
+    for s in KV_ONCE + ("pack", "greedy"):
+        plan = make_plan(tree, HEADS, strategy=s)
+        assert plan.io.kv == kv_bytes(1000 + 640), s
+    assert seq.io.kv == kv_bytes(64 * 1010)
+
+
+def test_split_long_items_keeps_tokens_and_queries():
+    tree = tree_from_spec("1,3_700,50")
+    items = node_items(tree)
+    split = split_long_items(items, 128)
+    assert split.item_len.max() <= 128
+    assert split.item_len.sum() == items.item_len.sum()
+    assert sorted(split.q_indices[split.q_indptr[0]:split.q_indptr[1]].tolist()) == [0, 1, 2]
+
+
+def test_auto_explains_its_choice():
+    tree = tree_from_spec("1,16,64_1024,256,32")
+    plan = make_plan(tree, HEADS, strategy="auto")
+    text = plan.explain()
+    assert plan.strategy in STRATEGIES[1:]
+    assert f"auto chose {plan.strategy}" in text and "estimates" in text
+    for s in STRATEGIES[1:]:
+        assert s in text
+
+
+def test_pack_merges_short_prefixes_and_splits_long_ones():
+    long_prefix = tree_from_spec("1,4_4096,16")  # 4 * 4 < 4096: keep the root on its own
+    plan = make_plan(long_prefix, HeadConfig(4, 4, 64), strategy="pack")
+    assert plan.io.kv == kv_bytes(4096 + 64, HeadConfig(4, 4, 64))
+    # each level-1 child holds 4 queries: 4 * 4 >= 8, so the 8-token root is merged into each
+    # of them (read 4 times); level-2 leaves (1 query each) stay on their own
+    short_prefix = tree_from_spec("1,4,16_8,512,1")
+    plan = make_plan(short_prefix, HeadConfig(4, 4, 64), strategy="pack")
+    assert plan.io.kv == kv_bytes(4 * (8 + 512) + 16, HeadConfig(4, 4, 64))
+    assert "4 of 20 edges merged" in plan.reason
+
+
+def test_bad_arguments():
+    tree = tree_from_spec("1,2_8,4")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        make_plan(tree, HEADS, strategy="bogus")
+    with pytest.raises(TypeError, match="DecodingTree"):
+        make_plan("1,2_8,4", HEADS)
+    with pytest.raises(ValueError, match="multiple of"):
+        HeadConfig(6, 4, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        HeadConfig(4, 4, 0)
+
+
+def test_cost_model_prefers_sharing_for_wide_trees():
+    tree = tree_from_spec("1,256_2048,32")
+    cost = CostModel()
+    plan = make_plan(tree, HeadConfig(32, 8, 128), strategy="auto", cost=cost)
+    assert plan.strategy != "sequence"
+
+
+def sequential_edge_assignment(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.ndarray:
+    """FastTree's Alg. 1 as written: nodes breadth-first, each parent's children in id order."""
+    a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
+    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
+    topo, length = tree.topology, tree.lengths.tolist()
+    glued = np.zeros(tree.num_nodes, dtype=bool)
+
+    def pad(n, tile):
+        return tile - ((n - 1) % tile + 1)
+
+    for v in np.argsort(topo.depth, kind="stable").tolist():
+        nq_cur, len_v = int(rows[v]), length[v]
+        for c in topo.child_indices[topo.child_indptr[v]:topo.child_indptr[v + 1]].tolist():
+            nq_l, len_l = int(rows[c]), length[c]
+            split_kv = (a * pad(nq_cur, tq) * len_v + b * nq_cur * pad(min(len_v, tc), tc)
+                        + a * pad(nq_l, tq) * len_l + b * nq_l * pad(min(len_l, tc), tc) + g * nq_l)
+            split_q = (a * pad(nq_cur - nq_l, tq) * len_v + b * (nq_cur - nq_l) * pad(min(len_v, tc), tc)
+                       + a * pad(nq_l, tq) * (len_v + len_l) + b * nq_l * pad(min(len_v + len_l, tc), tc))
+            if split_kv > split_q:
+                glued[c], nq_cur, length[c] = True, nq_cur - nq_l, len_v + len_l
+    return glued
+
+
+@pytest.mark.parametrize("cost", [CostModel(), CostModel(fasttree_alpha=0.3, fasttree_beta=2.5,
+                                                         fasttree_gamma=0.7, fasttree_tile_q=8)])
+@given(tree=forests(max_nodes=200, max_len=100))
+def test_greedy_fixed_point_is_the_sequential_algorithm(cost, tree):
+    for group in (1, 4):
+        rows = tree.subtree_queries * group
+        assert np.array_equal(_assign_edges(tree, rows, cost), sequential_edge_assignment(tree, rows, cost))
+
+
+def test_greedy_on_chains_and_wide_trees(rng):
+    for parents in (np.arange(-1, 199), np.r_[-1, np.zeros(300, np.int64)],
+                    np.r_[-1, np.arange(150), np.repeat(np.arange(0, 150, 3), 2)]):
+        tree = DecodingTree.from_parents(parents, rng.integers(1, 80, parents.size))
+        rows = tree.subtree_queries * 4
+        assert np.array_equal(_assign_edges(tree, rows, CostModel()),
+                              sequential_edge_assignment(tree, rows, CostModel()))
+
+
+def test_padding_is_fasttrees_formula():
+    n = np.arange(-40, 200)
+    for tile in (1, 3, 16, 64):
+        assert _padding(n, tile).tolist() == [tile - ((int(x) - 1) % tile + 1) for x in n]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES[1:])
+def test_planner_visible_tokens_match_the_tree(rng, strategy):
+    """Tokens per (item, query) that planners hand the builder equal what the tree says."""
+    from treeattn.plan import PLANNERS
+    trees = [tree_from_spec("1,4,16_300,40,3"), tree_from_medusa(32, context_len=50),
+             *(random_tree(rng, 80, 40, roots=2, inner_queries=bool(k % 2)) for k in range(6))]
+    for tree in trees:
+        items, _ = PLANNERS[strategy](tree, HEADS, CostModel(min_split_tokens=16, deft_chunk_tokens=24))
+        if items.q_tokens is not None:
+            q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+            assert np.array_equal(items.q_tokens, _pair_visibility(tree, items, q_item))
+
+
+def test_greedy_balance_split_follows_the_work():
+    """A Medusa tree over a long context: 2 tall tiles per KV head hold almost all the work, so
+    greedy cuts the context to about work / balance_slots tokens; a 1024-query tree whose tall
+    tiles already fill the GPU is left alone."""
+    heads = HeadConfig(32, 8, 128, torch.float16)
+    cost = CostModel(target_programs=1)
+    tree = tree_from_medusa(64, context_len=3000)
+    items, note = plan_greedy(tree, heads, cost)
+    assert "fair share" in note
+    tiles = -(-(items.item_queries * heads.group) // 128)
+    work = int(tiles @ items.item_len) * heads.num_kv_heads
+    assert items.item_len.max() <= max(cost.min_split_tokens, -(-work // cost.balance_slots)) + 16
+    assert items.item_len.max() < 3000
+    got_q, got_t = planned_coverage(tree, make_plan(tree, heads, strategy="greedy", cost=cost))
+    exp_q, exp_t = expected_coverage(tree)
+    assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t)
+    wide, note = plan_greedy(tree_from_spec("1,1024_2048,32"), heads, cost)
+    assert "fair share" not in note and wide.item_len.max() == 2048

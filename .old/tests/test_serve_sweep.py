@@ -1,0 +1,148 @@
+"""benchmarks/bench_serve_sweep.py: the sustained-rate rule, the target, the plot, the server
+process handling and one end-to-end sweep with the tiny model on the CPU."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("bench_serve_sweep", ROOT / "benchmarks" / "bench_serve_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _stats(mean):
+    return {"mean_ms": mean, "p50_ms": mean, "p99_ms": None if mean is None else 2 * mean}
+
+
+def _summary(*, requests=30, completed=30, wall=32.0, ttft=500.0, tpot=20.0, latency=4000.0):
+    return {"requests": requests, "completed": completed, "failed": requests - completed, "rejected_429": 0,
+            "duration_s": wall, "request_throughput": completed / wall, "output_throughput": 0.0,
+            "prompt_tokens": 0, "ttft": _stats(ttft), "tpot": _stats(tpot), "latency": _stats(latency),
+            "errors": [], "cancelled": 0}
+
+
+def test_judge(sweep):
+    ok = sweep.judge(_summary(), 30.0, 10.0, 0.9)
+    assert ok["sustained"] and not ok["reasons"] and ok["offered_rps"] == 1.0
+    assert ok["served_rps"] == pytest.approx(30 / 28)
+    assert not sweep.judge(_summary(completed=29), 30.0, 10.0, 0.9)["sustained"]         # a failure
+    assert not sweep.judge(_summary(ttft=11_000.0), 30.0, 10.0, 0.9)["sustained"]        # slow TTFT
+    slow = sweep.judge(_summary(wall=60.0, latency=10_000.0), 30.0, 30.0, 0.9)           # backlog
+    assert not slow["sustained"] and "served" in slow["reasons"][0]
+    assert not sweep.judge(_summary(requests=0, completed=0), 30.0, 10.0, 0.9)["sustained"]
+
+
+def _run(strategy, rate, tpot, sustained=True):
+    return {"strategy": strategy, "rate": rate, "summary": _summary(tpot=tpot), "sustained": sustained}
+
+
+def test_evaluate_target(sweep):
+    runs = [_run("sequence", 1.0, 20.0), _run("sequence", 2.0, 30.0), _run("sequence", 4.0, 90.0, False),
+            _run("auto", 1.0, 16.0), _run("auto", 2.0, 18.0), _run("auto", 4.0, 40.0)]
+    t = sweep.evaluate_target(runs)
+    assert t["sequence_max_sustained_rate"] == 2.0 and t["pass"]
+    assert t["tpot_reduction_at_that_rate"] == pytest.approx(0.4)
+    assert t["tpot_reduction_by_rate"]["1.0"] == pytest.approx(0.2)
+    t = sweep.evaluate_target(runs, min_reduction=0.5)
+    assert not t["pass"] and t["tpot_reduction_at_that_rate"] == pytest.approx(0.4)
+    t = sweep.evaluate_target(runs[:3] + [_run("auto", 1.0, 16.0)])          # auto missing at rate 2
+    assert t["sequence_max_sustained_rate"] == 2.0 and t["tpot_reduction_at_that_rate"] is None
+    assert not t["pass"] and "note" in t
+    t = sweep.evaluate_target([_run("sequence", 1.0, 20.0, False), _run("auto", 1.0, 10.0)])
+    assert t["sequence_max_sustained_rate"] is None and not t["pass"]
+
+
+def test_evaluate_target_averages_repeated_strategies(sweep):
+    """An A,B,B,A sweep: each strategy counts with the mean of its runs, and sustains a rate only
+    if every run did."""
+    runs = [_run("sequence", 2.0, 30.0), _run("auto", 2.0, 20.0), _run("auto", 2.0, 16.0),
+            _run("sequence", 2.0, 20.0)]
+    t = sweep.evaluate_target(runs)
+    assert t["tpot_reduction_at_that_rate"] == pytest.approx(1 - 18.0 / 25.0)
+    assert t["runs_per_strategy_and_rate"] == {"sequence@2.0": 2, "auto@2.0": 2}
+    t = sweep.evaluate_target(runs[:3] + [_run("sequence", 2.0, 20.0, False)])
+    assert t["sequence_max_sustained_rate"] is None and not t["pass"]
+
+
+def test_plot_and_json(sweep, tmp_path):
+    runs = [_run("sequence", 1.0, 20.0), _run("sequence", 2.0, 30.0, False), _run("auto", 1.0, 16.0),
+            _run("auto", 2.0, 18.0), {"strategy": "auto", "rate": 4.0, "error": "boom"}]
+    result = {"device": "cpu", "model": "random:tiny", "runs": runs, "skipped": [],
+              "target": sweep.evaluate_target(runs)}
+    sweep.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    sweep.write_json(result, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["target"]["sequence_max_sustained_rate"] == 1.0
+
+
+def test_server_command_passes_model_args(sweep):
+    args = sweep.parse_args(["--random-weights", "llama3-8b", "--device", "cuda", "--dtype", "bfloat16",
+                             "--kv-tokens", "1000", "--page-size", "32", "--rates", "2,0.5", "--out", "x.json"])
+    assert args.rate_list == [0.5, 2.0] and args.strategy_list == ["auto", "sequence"]
+    cmd = sweep.server_command(args, "sequence", 8123)
+    assert cmd[1:4] == ["-m", "treeattn.cli", "serve"]
+    line = " ".join(cmd)
+    for part in ("--random-weights llama3-8b", "--device cuda", "--dtype bfloat16", "--kv-tokens 1000",
+                 "--page-size 32", "--strategy sequence", "--port 8123", "--prefix-block 64",
+                 "--max-model-len 8192"):
+        assert part in line
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--random-weights", "tiny", "--strategies", "nope", "--out", "x.json"])
+
+
+def test_server_that_dies_reports_its_log(sweep, tmp_path):
+    cmd = [sys.executable, "-c", "import sys; print('model load failed: boom'); sys.exit(3)"]
+    server = sweep.Server(cmd, f"http://127.0.0.1:{sweep.free_port('127.0.0.1')}", tmp_path / "s.log")
+    with pytest.raises(sweep.ServerError, match="boom"):
+        server.start(timeout=30)
+    assert server.stop() == 3
+
+
+def test_time_budget_skips_everything(sweep, tmp_path):
+    out = tmp_path / "r.json"
+    code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--rates", "1,2", "--duration", "5",
+                       "--time-budget", "1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert code == 1 and res["runs"] == [] and res["status"] == "complete"
+    assert {(s["strategy"], s["rate"]) for s in res["skipped"]} == {
+        (s, r) for s in ("auto", "sequence") for r in (1.0, 2.0)}
+
+
+def test_sweep_end_to_end_tiny(sweep, tmp_path):
+    out, png = tmp_path / "serve.json", tmp_path / "serve.png"
+    code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--rates", "4", "--duration", "2",
+                       "--max-output-len", "4", "--max-input-len", "300", "--warmup-requests", "2",
+                       "--warmup-input-len", "64", "--warmup-long", "1", "--out", str(out), "--plot", str(png)])
+    assert code == 0
+    res = json.loads(out.read_text())
+    for key in ("device", "torch", "triton", "commit", "model", "args", "runs", "skipped", "target",
+                "sustained_rule"):
+        assert key in res
+    assert res["status"] == "complete" and res["skipped"] == []
+    assert [(r["strategy"], r["rate"]) for r in res["runs"]] == [("auto", 4.0), ("sequence", 4.0)]
+    for r in res["runs"]:
+        s = r["summary"]
+        assert s["requests"] == s["completed"] > 0 and s["failed"] == 0, s
+        assert s["tpot"]["mean_ms"] > 0 and r["server"]["steps"] > 0 and r["server"]["mean_batch"] >= 1
+        assert r["server"]["plan_ms"] > 0 and sum(r["server"]["strategies"].values()) > 0
+        assert isinstance(r["sustained"], bool)
+    for strategy, info in res["servers"].items():
+        assert info["exit_code"] == 0 and info["startup_s"] > 0, (strategy, info)
+        assert res["warmup"][strategy]["completed"] == 3
+    t = res["target"]
+    assert set(t) >= {"sequence_max_sustained_rate", "tpot_reduction_at_that_rate", "pass"}
+    assert "4.0" in t["tpot_reduction_by_rate"]
+    assert png.stat().st_size > 10_000
