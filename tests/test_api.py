@@ -1,4 +1,6 @@
 """The public API: tree_attention's contract, plan/run validation, merge_states."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -98,6 +100,32 @@ def test_caller_owned_workspace_and_lse():
     o_ref, lse_ref = reference_attention(q, k, v, tree)
     assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
     assert lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float16, 33), (torch.bfloat16, 16), (torch.float32, 33)])
+def test_partial_buffers_keep_16_bit_outputs_and_aligned_fp32_lse(dtype, head_dim):
+    """16-bit inputs get 16-bit partial outputs (half the partial traffic), fp32 inputs fp32; the
+    fp32 LSEs after them stay 4-byte aligned and overlap nothing, and a poisoned workspace never
+    reaches the output."""
+    tree = DecodingTree.from_parents([-1, 0, 0, 1], [30, 3, 7, 2])
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=3, num_kv_heads=1, head_dim=head_dim, dtype=dtype, strategy="node")
+    o_part, lse_part = w.partial_buffers(plan)
+    assert o_part.dtype == plan.heads.partial_dtype == (torch.float32 if dtype == torch.float32 else dtype)
+    assert o_part.shape == (plan.num_rows, 3, head_dim) and lse_part.shape == (plan.num_rows, 3)
+    assert lse_part.dtype == torch.float32 and lse_part.data_ptr() % 4 == 0
+    o_end = o_part.data_ptr() + o_part.numel() * o_part.element_size()
+    assert o_end <= lse_part.data_ptr()
+    assert lse_part.data_ptr() + lse_part.numel() * 4 <= w._workspace.data_ptr() + plan.workspace_bytes()
+    assert plan.io.partial_write == plan.num_rows * 3 * (head_dim * o_part.element_size() + 4)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        w._workspace.fill_(float("nan"))
+        q = torch.randn(2, 3, head_dim).to(dtype)
+        k, v = torch.randn(42, 1, 1, head_dim).to(dtype), torch.randn(42, 1, 1, head_dim).to(dtype)
+        out = w.run(q, k, v, plan)
+        o_ref, _ = reference_attention(q.double(), k.double(), v.double(), tree)
+        assert torch.isfinite(out).all()
+        assert rel_l2(out, o_ref) <= (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
