@@ -180,3 +180,25 @@ def test_merge_states_many_rows_matches_torch(device, s):
     keep = torch.ones(n, dtype=torch.bool)
     keep[1] = False
     assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6
+
+
+@pytest.mark.parametrize("strategy", ["sequence", "greedy", "flatten"])
+def test_layer_read_on_the_device_selects_that_layers_caches(strategy, device):
+    """``run(..., layer=t, layer_stride=s)`` over layer 0's caches equals running on layer
+    ``t[0]``'s caches (the pool's stacked layout): one CUDA graph can then serve every layer."""
+    tree = DecodingTree.from_parents([-1, 0, 0, 1, 1], [21, 5, 9, 3, 4], page_size=4, num_slots=64)
+    layers, hkv, d = 3, 2, 32
+    stacked = torch.randn(2 * layers, 16, 4, hkv, d, device=device)  # [K0, V0, K1, V1, ...]
+    stride = stacked[2].data_ptr() // 4 - stacked[0].data_ptr() // 4
+    w = TreeAttention(device=device, backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
+    q = torch.randn(tree.num_queries, 4, d, device=device)
+    layer = torch.empty(1, dtype=torch.int32, device=device)
+    for l in range(layers):
+        layer.fill_(l)
+        got = w.run(q, stacked[0], stacked[1], plan, layer=layer, layer_stride=stride)
+        want, _ = reference_attention(q.double().cpu(), stacked[2 * l].double().cpu(),
+                                      stacked[2 * l + 1].double().cpu(), tree)
+        assert rel_l2(got.cpu(), want) <= 1e-4
+    with pytest.raises(ValueError, match="int32"):
+        w.run(q, stacked[0], stacked[1], plan, layer=layer.long(), layer_stride=stride)

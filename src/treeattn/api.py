@@ -120,7 +120,8 @@ class TreeAttention:
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
             sm_scale: float | None = None, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None, return_lse: bool = False):
+            lse: torch.Tensor | None = None, return_lse: bool = False,
+            layer: torch.Tensor | None = None, layer_stride: int = 0):
         """Attention of every query of ``plan`` over its visible KV.
 
         Parameters
@@ -132,6 +133,12 @@ class TreeAttention:
         sm_scale : float, default ``1 / sqrt(D)``
         out : [Q, Hq, D] in q's dtype, optional
         lse : [Q, Hq] float32, optional (written when given or when ``return_lse``)
+        layer : [1] int32 on the caches' device, optional (Triton backend)
+            Read on the device: the caches are those of layer ``layer[0]``, ``layer_stride``
+            elements after ``k_cache`` / ``v_cache`` per layer (the pool's layout), so one CUDA
+            graph of ``run`` serves every layer. The caller keeps ``layer[0]`` in range.
+        layer_stride : int
+            Elements between consecutive layers' caches (with ``layer``).
 
         Returns
         -------
@@ -152,6 +159,14 @@ class TreeAttention:
             lse = torch.empty((nq, hq), dtype=torch.float32, device=q.device)
         if lse is not None and (lse.shape != (nq, hq) or lse.dtype != torch.float32):
             raise ValueError(f"lse must be a ({nq}, {hq}) float32 tensor")
+        if layer is not None:
+            if self.backend != "triton":
+                raise ValueError("layer= needs the triton backend")
+            if (not isinstance(layer, torch.Tensor) or layer.dtype != torch.int32 or layer.numel() != 1
+                    or layer.device != q.device):
+                raise ValueError(f"layer must be a one-element int32 tensor on {q.device}")
+            if layer_stride < 0:
+                raise ValueError(f"layer_stride must be >= 0, got {layer_stride}")
         if self.backend == "torch":
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32
             o_part, lse_part = run_plan_torch(q, k_cache, v_cache, plan, sm_scale=scale, acc_dtype=acc)
@@ -168,7 +183,7 @@ class TreeAttention:
             # host time than the launches' overlap saves (benchmarks/NOTES.md)
             streams = self._streams if self._streams and torch.cuda.is_current_stream_capturing() else ()
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                              lse_out=lse, streams=streams)
+                              lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
                            plan.merge_indices, out, lse)
         return (out, lse) if return_lse else out

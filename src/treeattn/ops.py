@@ -70,13 +70,18 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                      streams: Sequence[torch.cuda.Stream] = ()) -> None:
+                      streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
+                      layer_stride: int = 0) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan``.
 
     Writes ``o_part [R, Hq, D]`` (``plan.heads.partial_dtype``) and ``lse_part [R, Hq]`` (fp32,
     natural-log LSE) of the rows
     the merge reads. Queries with a single row (``plan.row_direct``) are written straight to
     ``out [Q, Hq, D]`` (and ``lse_out [Q, Hq]`` fp32 when given), which must then be given.
+
+    With ``layer`` (int32 ``[1]`` on the device) the caches are those of layer ``layer[0]``,
+    ``layer_stride`` elements apart starting at ``k_cache`` / ``v_cache`` (a CUDA graph of the
+    launches then serves every layer).
 
     With CUDA ``streams``, launches after the first run on them (round robin), forked from and
     joined back into the current stream, so launches of different tile shapes run side by side
@@ -95,6 +100,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         raise ValueError("this plan writes single-row queries to the output: pass out=")
     out_arg = out if out is not None else o_part  # never written without DIRECT
     lse_arg = lse_out if lse_out is not None else lse_part
+    if layer is None:
+        layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
     main = torch.cuda.current_stream(q.device) if side else None
     for stream in side:  # fork before anything is queued on the main stream
@@ -106,7 +113,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
-            launch.work_start, sm_scale * LOG2E.value,
+            launch.work_start, sm_scale * LOG2E.value, layer, layer_stride,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

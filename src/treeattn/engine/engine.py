@@ -9,6 +9,7 @@ in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU r
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 
@@ -16,11 +17,13 @@ import numpy as np
 import torch
 
 from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
-from treeattn.engine.graphs import DecodeGraphs
+from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.ops import precompile
+
+log = logging.getLogger(__name__)
 
 __all__ = ["StepStats", "TreeEngine"]
 
@@ -106,6 +109,9 @@ class TreeEngine:
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
+        self._attn_graph = None
+        if self.graphs is not None and self.attention.backend == "triton" and self.kv.layer_stride is not None:
+            self._attn_graph = AttentionGraph(*self._paged[0], self.kv.layer_stride)
         self.window = max(1, int(window))
         self.synchronize = synchronize
         self.keep_reserved = keep_reserved
@@ -362,12 +368,7 @@ class TreeEngine:
                 self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend)
 
     def _attend_fn(self, plan):
-        def attend(layer, q, out=None):
-            self._fire("attn_begin", layer)
-            o = self.attention.run(q, *self._paged[layer], plan, out=out)
-            self._fire("attn_end", layer)
-            return o
-        return attend
+        return _StepAttention(self, plan)
 
     def _fire(self, event: str, layer: int = -1) -> None:
         if self.hook is not None:
@@ -467,3 +468,37 @@ class TreeEngine:
         self.tree.results.clear()
         self.kv.release_private()
         self._logits.clear()
+
+
+class _StepAttention:
+    """A decode step's attention for :class:`DecodeGraphs`: ``attend(layer, q, out)`` runs one
+    layer eagerly; ``for_step(q, out)`` captures the step's :class:`AttentionGraph` once and
+    returns ``layer -> None`` that replays it (eager layers when there is none or capture fails)."""
+
+    def __init__(self, engine: TreeEngine, plan):
+        self.engine, self.plan = engine, plan
+
+    def __call__(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        e = self.engine
+        e._fire("attn_begin", layer)
+        o = e.attention.run(q, *e._paged[layer], self.plan, out=out)
+        e._fire("attn_end", layer)
+        return o
+
+    def for_step(self, q: torch.Tensor, out: torch.Tensor):
+        e = self.engine
+        graph = None
+        if e._attn_graph is not None:
+            try:
+                graph = e._attn_graph.capture(e.attention, q, out, self.plan)
+            except RuntimeError as err:  # eager attention is always correct
+                log.warning("capturing the attention graph failed (%s); attention runs eagerly", err)
+                e._attn_graph = None
+        if graph is None:
+            return lambda layer: self(layer, q, out)
+
+        def replay(layer: int) -> None:
+            e._fire("attn_begin", layer)
+            graph.replay()
+            e._fire("attn_end", layer)
+        return replay

@@ -58,6 +58,9 @@ class KVCacheManager:
         self.caches = [(pool.k_cache(l).view(-1, hkv, d), pool.v_cache(l).view(-1, hkv, d))
                        for l in range(pool.num_layers)]
         self._all = self._stacked_view()
+        #: elements from one layer's K (or V) cache to the next layer's, when the pool lays the
+        #: layers out evenly (KVPool does); None otherwise
+        self.layer_stride = None if self._all is None else self._all.stride(0) * 2
 
     def _stacked_view(self) -> torch.Tensor | None:
         """``[2 * layers, num_slots, Hkv, D]`` view of every cache (KVPool's documented layout), or

@@ -20,7 +20,7 @@ def _tree_partial_attention_kernel(
     Q, K, V, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices, row_direct,
     mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
-    work_offset, qk_scale,
+    work_offset, qk_scale, kv_layer, stride_layer,
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -36,12 +36,19 @@ def _tree_partial_attention_kernel(
     The tile's rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head share
     every K/V tile this program loads: each KV byte is read once per work item.
 
+    ``K`` and ``V`` are offset by ``kv_layer[0] * stride_layer`` elements (``stride_layer`` 0
+    when the caller passes one layer's caches).
+
     With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
     they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
     all have one row needs no merge launch.
     """
     work = tl.program_id(0) + work_offset
     kv_head = tl.program_id(1)
+    # the caches of layer kv_layer[0] (read on the device, so one CUDA graph serves every layer)
+    layer_offset = tl.load(kv_layer).to(tl.int64) * stride_layer
+    K += layer_offset
+    V += layer_offset
     kv_start = tl.load(work_kv_start + work)
     kv_end = tl.load(work_kv_end + work)
     row_start = tl.load(work_row_indptr + work)
