@@ -44,8 +44,16 @@ def main():
             g = ag.capture(w, q, out, plan)
             cap = ms(lambda: ag.capture(w, q, out, plan))
             rep = ms(lambda: (ag.counter.zero_(), g.replay()))  # the counter picks the layer
+            # does capturing wait for the GPU? queue ~50 ms of sleep first
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)
+            t0 = time.perf_counter()
+            ag.capture(w, q, out, plan)
+            busy = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
             print(f"{spec:16s} {strategy:8s} launches={len(plan.launches)} merge={plan.merge_q_indices.numel() > 0} "
-                  f"streams={streams}: eager run {eager:.3f} ms, capture {cap:.3f} ms, replay {rep:.3f} ms")
+                  f"streams={streams}: eager run {eager:.3f} ms, capture {cap:.3f} ms ({busy:.3f} ms behind a "
+                  f"busy GPU), replay {rep:.3f} ms")
 
 
 if __name__ == "__main__":
