@@ -277,3 +277,29 @@ def test_device_plans_are_64_byte_aligned():
         for name in ("kv_indices", "work_kv_start", "work_row_indptr", "row_q_indices", "row_direct",
                      "merge_q_indices", "mask_lo", "mask_pos", "query_pos", "query_prefix"):
             assert getattr(plan, name).data_ptr() % 64 == 0, name
+
+
+def test_layer_stride_matches_the_pool_layout_and_step_attention_falls_back_to_eager():
+    """``KVCacheManager.layer_stride`` is the element distance between consecutive layers' K (and V)
+    caches, which the engine's per-step attention graph adds on the device; without graphs (CPU)
+    ``for_step`` runs every layer eagerly, as ``attend(layer, q, out)`` does."""
+    from treeattn import DecodingTree
+
+    eng = TreeEngine(TreeModel.random("tiny", device="cpu"), kv_tokens=256)
+    k0, v0 = eng.pool.k_cache(0), eng.pool.v_cache(0)
+    for layer in range(1, eng.pool.num_layers):
+        for cache, first in ((eng.pool.k_cache(layer), k0), (eng.pool.v_cache(layer), v0)):
+            assert cache.data_ptr() - first.data_ptr() == layer * eng.kv.layer_stride * first.element_size()
+    assert eng._attn_graph is None  # CPU: no CUDA graphs
+    c = eng.model.config
+    tree = DecodingTree.from_parents([-1, 0], [5, 2], page_size=eng.pool.page_size,
+                                     num_slots=eng.pool.num_slots)
+    plan = eng.attention.plan(tree, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                              head_dim=c.head_dim, dtype=eng.model.dtype)
+    attend = eng._attend_fn(plan)
+    q = torch.randn(tree.num_queries, c.num_heads, c.head_dim, dtype=eng.model.dtype)
+    for layer in range(eng.pool.num_layers):
+        want = attend(layer, q, torch.empty_like(q))
+        out = torch.empty_like(q)
+        eng._attend_fn(plan).for_step(q, out)(layer)
+        assert torch.equal(out, want)
