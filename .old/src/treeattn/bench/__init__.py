@@ -1,1 +1,0 @@
-"""Benchmarks: device timing helpers and the ``treeattn bench`` commands (CUDA only)."""
