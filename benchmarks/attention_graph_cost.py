@@ -51,9 +51,18 @@ def main():
             ag.capture(w, q, out, plan)
             busy = (time.perf_counter() - t0) * 1e3
             torch.cuda.synchronize()
+            # does destroying a graph wait for its queued replays? queue one behind ~50 ms of sleep
+            doomed = ag.capture(w, q, out, plan)
+            ag._recent.clear()
+            torch.cuda._sleep(100_000_000)
+            doomed.replay()
+            t0 = time.perf_counter()
+            del doomed
+            destroy = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
             print(f"{spec:16s} {strategy:8s} launches={len(plan.launches)} merge={plan.merge_q_indices.numel() > 0} "
                   f"streams={streams}: eager run {eager:.3f} ms, capture {cap:.3f} ms ({busy:.3f} ms behind a "
-                  f"busy GPU), replay {rep:.3f} ms")
+                  f"busy GPU), replay {rep:.3f} ms, destroy with a queued replay {destroy:.3f} ms")
 
 
 if __name__ == "__main__":

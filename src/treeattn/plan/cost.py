@@ -196,7 +196,7 @@ class CostModel:
             attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s
         # every query with a single row: the attention kernel writes the output, no merge launch
         direct = merge_rows_max <= 1 and rows == num_queries
-        partial_bytes = 0 if direct else rows * hq * (d * (2 if eb == 2 else 4) + 4)  # 16-bit partials
+        partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
         attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
         merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
