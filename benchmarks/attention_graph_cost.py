@@ -48,12 +48,11 @@ def main():
             torch.cuda.synchronize()
             torch.cuda._sleep(100_000_000)
             t0 = time.perf_counter()
-            ag.capture(w, q, out, plan)
+            kept = ag.capture(w, q, out, plan)  # kept: its destruction is timed below
             busy = (time.perf_counter() - t0) * 1e3
             torch.cuda.synchronize()
             # does destroying a graph wait for its queued replays? queue one behind ~50 ms of sleep
-            doomed = ag.capture(w, q, out, plan)
-            ag._recent.clear()
+            doomed, kept = kept, None
             torch.cuda._sleep(100_000_000)
             doomed.replay()
             t0 = time.perf_counter()

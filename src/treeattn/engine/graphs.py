@@ -8,7 +8,6 @@ K/V to a private pad slot and their outputs are ignored.
 """
 from __future__ import annotations
 
-import collections
 import logging
 
 import numpy as np
@@ -206,9 +205,6 @@ class AttentionGraph:
         self.k_cache, self.v_cache, self.layer_stride = k_cache, v_cache, int(layer_stride)
         self.counter = torch.zeros(1, dtype=torch.int32, device=k_cache.device)
         self._stream = torch.cuda.Stream(k_cache.device)
-        # the last steps' graphs stay alive: destroying a graph whose replays are still queued
-        # may wait for them, and the host runs about a step ahead of the GPU
-        self._recent: collections.deque = collections.deque(maxlen=3)
 
     def capture(self, attention, q: torch.Tensor, out: torch.Tensor, plan) -> torch.cuda.CUDAGraph:
         """Capture ``attention.run`` of ``plan`` into ``out`` and the counter's increment; reset the
@@ -224,5 +220,4 @@ class AttentionGraph:
             finally:
                 graph.capture_end()
         self.counter.zero_()
-        self._recent.append(graph)
         return graph
