@@ -47,8 +47,8 @@ class TreeAttention:
     streams : int
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
-        them one after another. Capturing side streams waits for the GPU to go idle, so code
-        that captures ``run()`` every step (the engine) uses 0.
+        them one after another. Destroying a graph with side-stream branches waits for its
+        queued replays, so code that captures ``run()`` every step (the engine) uses 0.
 
     Examples
     --------

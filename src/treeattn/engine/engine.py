@@ -105,8 +105,8 @@ class TreeEngine:
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh)
         self.backend = backend
         self._workspace = None
-        # no side streams: capturing them waits for the GPU to go idle (measured with
-        # benchmarks/attention_graph_cost.py), and the engine captures its attention every step
+        # no side streams: destroying a graph with side-stream branches waits for its queued
+        # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
         self.attention = TreeAttention(device=model.device, backend=backend, streams=0)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
