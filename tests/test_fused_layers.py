@@ -25,6 +25,22 @@ def randn(gen, *shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
+def rms_norm_ref(x, w, eps):
+    """``model.rms_norm`` rounded as the kernel's backend rounds: Triton's CPU interpreter casts
+    float32 -> bfloat16 by truncation (the GPU and torch round to nearest), and with two casts on
+    a 64-wide row the rounding modes alone differ by up to 1.2% relative L2 (measured over 200
+    seeds), so bf16 on the CPU is checked against the truncating computation."""
+    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        return rms_norm(x, w, eps)
+
+    def trunc(t):
+        return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return trunc(w.float() * trunc(xf).float())
+
+
 def assert_close(out, ref):
     assert out.shape == ref.shape and out.dtype == ref.dtype
     if ref.dtype == torch.float32:
@@ -40,16 +56,16 @@ def test_rms_norm(gen, device, dtype, n, hidden):
     x = randn(gen, n, hidden, dtype=dtype, scale=3.0).to(device)
     w = randn(gen, hidden, dtype=dtype).to(device)
     d = randn(gen, n, hidden, dtype=dtype).to(device)
-    assert_close(fused.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    assert_close(fused.rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
     h, y = fused.add_rms_norm(x, d, w, 1e-5)
     assert_close(h, x + d)
-    assert_close(y, rms_norm(x + d, w, 1e-5))
+    assert_close(y, rms_norm_ref(h, w, 1e-5))
     # in place into delta, into given buffers, and rows with a stride (a slice of a wider tensor)
     wide = randn(gen, n, 2 * hidden, dtype=dtype).to(device)
     out, d2 = torch.empty_like(x), d.clone()
     h2, y2 = fused.add_rms_norm(x, d2, w, 1e-5, h_out=d2, out=out)
     assert h2 is d2 and y2 is out and torch.equal(h2, h) and torch.equal(y2, y)
-    assert_close(fused.rms_norm(wide[:, :hidden], w, 1e-6), rms_norm(wide[:, :hidden], w, 1e-6))
+    assert_close(fused.rms_norm(wide[:, :hidden], w, 1e-6), rms_norm_ref(wide[:, :hidden], w, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
