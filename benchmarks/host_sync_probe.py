@@ -1,9 +1,10 @@
 """Find where an engine workload makes the host wait for the GPU.
 
 Runs ``--steps`` decode steps of each workload under ``torch.cuda.set_sync_debug_mode("warn")``
-and counts every synchronising call by its innermost treeattn frame, then times the same steps
-twice: the host loop alone (wall clock until the last step is enqueued) and the GPU (events).
-A loop that never waits enqueues faster than the GPU runs; one that waits every step does not.
+and counts every synchronising call by its innermost treeattn frame; it times the host loop
+(wall clock until the last step is enqueued) and the GPU (events) over those steps, and profiles
+the host loop (cProfile, top functions by own time): a wait that PyTorch does not flag (a driver
+call that blocks) shows up there.
 
     python benchmarks/host_sync_probe.py --random-weights llama3-8b --workloads tot-sorting speculative-64
 """
@@ -11,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import json
 import time
 import traceback
@@ -39,6 +43,7 @@ def probe(model, name: str, strategy: str, steps: int, skip: int) -> dict:
     engine.prepare_graphs(ctl.query_counts())
     sites: collections.Counter = collections.Counter()
     marks = []
+    prof = cProfile.Profile()
     phase = {"probe": False}
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -51,6 +56,7 @@ def probe(model, name: str, strategy: str, steps: int, skip: int) -> dict:
             torch.cuda.synchronize()
             marks.append((time.perf_counter(), torch.cuda.Event(enable_timing=True)))
             marks[-1][1].record()
+            prof.enable()
         return True
 
     old = warnings.showwarning
@@ -59,6 +65,7 @@ def probe(model, name: str, strategy: str, steps: int, skip: int) -> dict:
     torch.cuda.set_sync_debug_mode("warn")
     try:
         engine.run(ctl, max_steps=skip + steps, schedule=schedule)
+        prof.disable()
         host_end = time.perf_counter()
         end = torch.cuda.Event(enable_timing=True)
         end.record()
@@ -73,7 +80,13 @@ def probe(model, name: str, strategy: str, steps: int, skip: int) -> dict:
             "gpu_ms_per_step": ev0.elapsed_time(end) / steps,
             "kv_ms": sum(s.kv_ms for s in st) / steps, "plan_ms": sum(s.plan_ms for s in st) / steps,
             "forward_ms": sum(s.forward_ms for s in st) / steps,
-            "sync_sites": dict(sites.most_common(12))}
+            "sync_sites": dict(sites.most_common(12)), "profile": _top(prof, 14)}
+
+
+def _top(prof: cProfile.Profile, n: int) -> list:
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(n)
+    return [line for line in buf.getvalue().splitlines() if line.strip()][-n:]
 
 
 def main(argv=None) -> None:

@@ -303,39 +303,3 @@ def test_layer_stride_matches_the_pool_layout_and_step_attention_falls_back_to_e
         out = torch.empty_like(q)
         eng._attend_fn(plan).for_step(q, out)(layer)
         assert torch.equal(out, want)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_attention_graph_replays_every_layer_and_keeps_graphs_until_their_replays_ran():
-    """A step's attention graph (with side-stream branches) replays layer after layer exactly as
-    eager runs of those layers; earlier steps' graphs are kept while the GPU still has their
-    replays queued (destroying them would wait), at most ``max_retired`` of them."""
-    from treeattn import TreeAttention
-    from treeattn.engine.graphs import AttentionGraph
-    from treeattn.workloads import tree_from_spec
-
-    tree = tree_from_spec("1,4_300,40")
-    hq, hkv, d, layers = 8, 2, 64, 3
-    kv = torch.randn(layers, 2, tree.num_tokens, 1, hkv, d, device="cuda", dtype=torch.float16)
-    stride = (kv[1, 0].data_ptr() - kv[0, 0].data_ptr()) // kv.element_size()
-    w = TreeAttention(device="cuda", streams=2)
-    plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float16,
-                  strategy="greedy")
-    assert len(plan.launches) > 1  # the graph has side-stream branches
-    graph = AttentionGraph(kv[0, 0], kv[0, 1], stride, max_retired=2)
-    q = torch.randn(tree.num_queries, hq, d, device="cuda", dtype=torch.float16)
-    out = torch.empty_like(q)
-    g = graph.capture(w, q, out, plan)
-    for layer in range(layers):
-        g.replay()
-        want = w.run(q, kv[layer, 0], kv[layer, 1], plan)
-        assert torch.equal(out, want), layer
-    for _ in range(4):  # the GPU sleeps: no replay of these steps has run when the next captures
-        torch.cuda._sleep(50_000_000)
-        g = graph.capture(w, q, out, plan)
-        for _ in range(layers):
-            g.replay()
-        assert 1 <= graph.retired <= 2
-    torch.cuda.synchronize()
-    graph.capture(w, q, out, plan)
-    assert graph.retired <= 1  # the others' replays are done: dropped

@@ -105,7 +105,9 @@ class TreeEngine:
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh)
         self.backend = backend
         self._workspace = None
-        self.attention = TreeAttention(device=model.device, backend=backend)
+        # no side streams: destroying a graph with side-stream branches waits for its queued
+        # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
+        self.attention = TreeAttention(device=model.device, backend=backend, streams=0)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
@@ -365,7 +367,8 @@ class TreeEngine:
             need = plan.workspace_bytes() // 4
             if self._workspace is None or self._workspace.numel() < need:
                 self._workspace = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=self.device)
-                self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend)
+                self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend,
+                                               streams=0)
 
     def _attend_fn(self, plan):
         return _StepAttention(self, plan)

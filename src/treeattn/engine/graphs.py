@@ -8,7 +8,6 @@ K/V to a private pad slot and their outputs are ignored.
 """
 from __future__ import annotations
 
-import collections
 import logging
 
 import numpy as np
@@ -195,38 +194,21 @@ class AttentionGraph:
     once per step and replayed for each layer. The kernels read the layer from a device counter
     that the graph increments after its launches: replay ``i`` of a step attends layer ``i``.
 
-    A plan's launches of different tile shapes are captured on side streams (parallel branches of
-    the graph). Destroying such a graph waits for its queued replays
-    (benchmarks/attention_graph_cost.py), so a step's graph is kept until an event recorded after
-    its last replay has completed, and only then dropped.
-
     Parameters
     ----------
     k_cache, v_cache : [num_pages, page_size, Hkv, D]
         Layer 0's caches; layer ``l``'s start ``l * layer_stride`` elements later.
     layer_stride : int
-    max_retired : int
-        Graphs kept waiting for their replays; past it, the host waits for the oldest.
     """
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride: int, *,
-                 max_retired: int = 16):
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride: int):
         self.k_cache, self.v_cache, self.layer_stride = k_cache, v_cache, int(layer_stride)
         self.counter = torch.zeros(1, dtype=torch.int32, device=k_cache.device)
         self._stream = torch.cuda.Stream(k_cache.device)
-        self.max_retired = max(1, int(max_retired))
-        self._current: torch.cuda.CUDAGraph | None = None
-        self._retired: collections.deque = collections.deque()  # (graph, event after its replays)
-
-    @property
-    def retired(self) -> int:
-        """Graphs of earlier steps still waiting for the GPU to finish their replays."""
-        return len(self._retired)
 
     def capture(self, attention, q: torch.Tensor, out: torch.Tensor, plan) -> torch.cuda.CUDAGraph:
         """Capture ``attention.run`` of ``plan`` into ``out`` and the counter's increment; reset the
         counter to layer 0 (on the current stream, before the first replay)."""
-        self._retire()
         graph = torch.cuda.CUDAGraph()
         # capture_begin directly: torch.cuda.graph() would synchronise and collect garbage, every step
         with torch.cuda.stream(self._stream):
@@ -238,18 +220,4 @@ class AttentionGraph:
             finally:
                 graph.capture_end()
         self.counter.zero_()
-        self._current = graph
         return graph
-
-    def _retire(self) -> None:
-        """Retire the last step's graph (every replay of it is enqueued by now) and drop the
-        retired graphs whose replays the GPU has finished."""
-        if self._current is not None:
-            done = torch.cuda.Event()
-            done.record()
-            self._retired.append((self._current, done))
-            self._current = None
-        while self._retired and (len(self._retired) > self.max_retired or self._retired[0][1].query()):
-            graph, done = self._retired.popleft()
-            done.synchronize()  # returns at once unless more than max_retired steps are queued
-            del graph
