@@ -30,7 +30,6 @@ import numpy as np
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan
 from treeattn.plan.auto import estimate_items, plan_auto
 from treeattn.plan.cost import launch_features
-from treeattn.plan.plan import MERGE_ROW_BLOCK
 from treeattn.workloads import tree_from_spec
 
 HERE = Path(__file__).resolve().parent
@@ -108,8 +107,7 @@ def predict(x: np.ndarray, feat: dict) -> np.ndarray:
     direct = (mrm <= 1) & (rows == nqueries)
     partial = np.where(direct, 0, rows * hq * (d * eb + 4))  # fp16 partial outputs, fp32 LSEs
     attn = np.maximum(attn, (kv_tokens * hkv * tok_bytes + partial) / cm.bandwidth)
-    chunks = np.maximum(1, -(-mrm // MERGE_ROW_BLOCK))  # merge_chunks, vectorised
-    merge = np.maximum(chunks * c["merge_step_s"], (partial + nqueries * hq * d * eb) / cm.bandwidth)
+    merge = np.maximum(mrm * c["merge_step_s"], (partial + nqueries * hq * d * eb) / cm.bandwidth)
     merge = np.where(direct, 0.0, merge + c["launch_overhead_s"])
     return attn + merge + c["fixed_overhead_s"]
 

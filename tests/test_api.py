@@ -182,33 +182,6 @@ def test_merge_states_many_rows_matches_torch(device, s):
     assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6
 
 
-@pytest.mark.parametrize("rows_max", [1, 3, 16, 64])
-def test_merge_row_chunk_is_only_a_speed_hint(device, rows_max):
-    """The merge kernel loads ``merge_row_block(rows_max)`` partial rows at a time: any hint, too
-    small (many chunks) or too large (padding rows), merges the ragged rows (0-37 per query, in
-    shuffled order) exactly like the torch reference."""
-    from treeattn.ops import merge_partials
-    from treeattn.reference import merge_states_torch
-
-    counts = torch.tensor([37, 0, 1, 2, 16, 17, 5])
-    heads, d = 6, 40
-    indptr = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0)))
-    rows = int(indptr[-1])
-    indices = torch.randperm(rows)
-    o = torch.randn(rows, heads, d)
-    lse = torch.randn(rows, heads) * 4
-    lse[indices[:3]] = float("-inf")  # empty partial states
-    ro, rl = merge_states_torch(o, lse, indptr.int(), indices.int(), out_dtype=torch.float32)
-    out = torch.empty(counts.numel(), heads, d, device=device)
-    lse_out = torch.empty(counts.numel(), heads, device=device)
-    i32 = lambda t: t.to(device=device, dtype=torch.int32)  # noqa: E731
-    merge_partials(o.to(device), lse.to(device), i32(torch.arange(counts.numel())), i32(indptr), i32(indices),
-                   out, lse_out, rows_max=rows_max)
-    keep = counts > 0
-    assert rel_l2(out.cpu()[keep], ro[keep]) <= 1e-5 and rel_l2(lse_out.cpu()[keep], rl[keep]) <= 1e-6
-    assert not out[1].abs().any() and torch.isneginf(lse_out[1]).all()
-
-
 @pytest.mark.parametrize("strategy", ["sequence", "greedy", "flatten"])
 def test_layer_read_on_the_device_selects_that_layers_caches(strategy, device):
     """``run(..., layer=t, layer_stride=s)`` over layer 0's caches equals running on layer

@@ -100,6 +100,9 @@ def test_bench_e2e_cpu_smoke(tmp_path):
         for r in w["strategies"].values():
             assert len(r["step_ms"]) == 3 and r["leaked_pages"] == 0
             assert set(r["breakdown_ms"]) == {"attention", "kv_management", "plan", "rest"}
+            # the GPU's (here: the host clock's) idle time between steps is part of each latency
+            assert 0 <= r["host_overhead"] < 1 and 0 <= r["idle_ms"] <= r["busy_step_ms"] + r["idle_ms"]
+            assert r["busy_step_ms"] <= r["mean_step_ms"] + 1e-9
     assert png.stat().st_size > 10_000
 
 

@@ -186,7 +186,7 @@ class TreeAttention:
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
                               lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
-                           plan.merge_indices, out, lse, rows_max=plan.merge_rows_max)
+                           plan.merge_indices, out, lse)
         return (out, lse) if return_lse else out
 
 
@@ -264,6 +264,5 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, backend: str = "auto"):
     out = torch.empty((n, h, d), dtype=o.dtype, device=o.device)
     lse_out = torch.empty((n, h), dtype=torch.float32, device=o.device)
     merge_partials(o_rows.float().contiguous(), lse_rows.float().contiguous(),
-                   torch.arange(n, dtype=torch.int32, device=o.device), indptr, indices, out, lse_out,
-                   rows_max=s)
+                   torch.arange(n, dtype=torch.int32, device=o.device), indptr, indices, out, lse_out)
     return out, lse_out

@@ -14,19 +14,8 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from treeattn.kernels.attention import (
-    LOG2E,
-    _merge_states_kernel,
-    _tree_partial_attention_kernel,
-)
-from treeattn.plan.plan import (
-    MERGE_ROW_BLOCK,
-    HeadConfig,
-    Launch,
-    Plan,
-    launch_shapes,
-    merge_row_block,
-)
+from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
+from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
            "precompile"]
@@ -149,47 +138,29 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
-                   lse_out: torch.Tensor | None, *, rows_max: int = MERGE_ROW_BLOCK) -> None:
+                   lse_out: torch.Tensor | None) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
-    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``rows_max`` (the most rows of one of
-    these queries, known on the host) sizes the row chunk the kernel loads at once; any value is
-    correct."""
+    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``."""
     _check_triton_device(o_part)
     heads, d = out.shape[1:]
     n = merge_q_indices.numel()
     if n == 0:
         return
     block_d = triton.next_power_of_2(d)
-    block_r = merge_row_block(rows_max)
-    _launch_merge(o_part, lse_part, merge_q_indices, merge_indptr, merge_indices, out, lse_out,
-                  block_h=_merge_head_block(n, heads, block_d, block_r), block_r=block_r)
-
-
-def _launch_merge(o_part, lse_part, merge_q_indices, merge_indptr, merge_indices, out, lse_out, *,
-                  block_h: int, block_r: int) -> None:
-    heads, d = out.shape[1:]
-    grid = (merge_q_indices.numel(), triton.cdiv(heads, block_h))
+    # each program walks its query's partial rows one after another (latency-bound), so give the
+    # grid at least ~1024 programs before packing several heads into one
+    cap = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
+    block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
+    grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     _merge_states_kernel[grid](
         o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=block_h, BLOCK_R=block_r,
-        WRITE_LSE=lse_out is not None, num_warps=4,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
+        num_warps=4,
     )
-
-
-def _merge_head_cap(heads: int, block_d: int, block_r: int) -> int:
-    # a program holds a [block_r, block_h, block_d] tile of partial outputs: at most 4096 values
-    return min(triton.next_power_of_2(heads), max(1, 4096 // (block_d * block_r)))
-
-
-def _merge_head_block(n: int, heads: int, block_d: int, block_r: int) -> int:
-    """Heads per merge program: one, until the grid has ~1024 programs (each is a short chain of
-    dependent loads, so many must be in flight), then more, up to the register budget."""
-    cap = _merge_head_cap(heads, block_d, block_r)
-    return max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
@@ -218,18 +189,16 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1
-    # merge variants: one query each (the grid does not change the compiled kernel)
-    o_part = torch.zeros(2, hq, d, device=device, dtype=heads.partial_dtype)
-    lse_part = torch.zeros(2, hq, device=device)
-    idx = torch.arange(3, dtype=torch.int32, device=device)
-    out = torch.empty(2, hq, d, device=device, dtype=dt)
-    block_d = triton.next_power_of_2(d)
-    for block_r in sorted({merge_row_block(r) for r in range(1, MERGE_ROW_BLOCK + 1)}):
-        for block_h in (1 << k for k in range(_merge_head_cap(hq, block_d, block_r).bit_length())):
-            for lse in (None, torch.empty(2, hq, device=device)):
-                _launch_merge(o_part, lse_part, idx[:1], idx, idx[:2], out, lse, block_h=block_h,
-                              block_r=block_r)
-                launches += 1
+    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
+    for block_h in (1 << k for k in range(cap.bit_length())):
+        n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
+        o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)
+        lse_part = torch.zeros(n, hq, device=device)
+        idx = torch.arange(n + 1, dtype=torch.int32, device=device)
+        out = torch.empty(n, hq, d, device=device, dtype=dt)
+        for lse in (None, torch.empty(n, hq, device=device)):
+            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse)
+            launches += 1
     return launches
 
 

@@ -12,9 +12,16 @@ Host times (KV management, planning, issuing the forward pass) come from the eng
 
 Every attention-kernel variant is compiled before the run (``TreeEngine.precompile_kernels``).
 ``mean_step_ms`` leaves out timed steps slower than 4x the median (one-time costs such as
-allocator growth; ``outliers`` counts them, ``mean_step_ms_all`` keeps them). ``host_overhead``
-= (mean step latency - pure GPU time of a step) / mean step latency: the share of a step the
-GPU waits for the host.
+allocator growth; ``outliers`` counts them, ``mean_step_ms_all`` keeps them).
+
+``host_overhead`` is the share of the timed steps' latency during which the GPU waited for the
+host: each timed step also records an event before its first operation, and the GPU time from
+the previous step's end event to it is idle time (zero when the host is ahead, as its work is
+already queued). ``busy_step_ms`` is the mean step latency without that idle time.
+``isolated_gap`` = (mean step latency - ``gpu_step_ms``) / mean step latency compares back-to-back
+steps with the isolated breakdown steps; it is not host overhead (on ToT and speculative
+workloads back-to-back steps are 10-20% slower than isolated ones while the host is several
+steps ahead of the GPU: ``benchmarks/host_sync_probe.py``).
 """
 from __future__ import annotations
 
@@ -108,7 +115,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
     kinds = _schedule(total, steps, windows, breakdown_steps)
     clock = _Clock(engine.device)
     cycles = _sleep_cycles(engine.device, sleep_ms)
-    marks, parts, state = [], [], {}
+    marks, parts, state, begins = [], [], {}, {}
 
     def hook(event, layer):
         if state.get("kind") == "breakdown":
@@ -118,6 +125,8 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         kind = kinds.get(step)
         state.clear()
         state["kind"] = kind
+        if kind in ("warm", "timed"):
+            begins[step] = clock.mark()  # before any of the step's work is enqueued
         if kind == "breakdown":
             clock.sync()
             state["t0"] = time.perf_counter()
@@ -150,11 +159,12 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
     engine.run(ctl, max_steps=total, schedule=schedule, on_step=on_step)
     clock.sync()
     wall_s = time.perf_counter() - t_start
-    iters, lat = [], []
+    iters, lat, idle = [], [], []
     for (_, _, prev), (step, kind, ev) in zip(marks, marks[1:]):
         if kind == "timed":
             iters.append(step)
             lat.append(clock.elapsed(prev, ev))
+            idle.append(max(0.0, clock.elapsed(prev, begins[step])))
     computed = [s for s in engine.stats if s.computed]
     host = {k: float(np.mean([getattr(s, k) for s in computed])) if computed else 0.0
             for k in ("kv_ms", "plan_ms", "forward_ms")}
@@ -166,7 +176,9 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
     engine.pool.check()
     leaked = engine.pool.num_pages - engine.pool.num_free_pages
     # steps that paid a one-time cost (Triton JIT compile, allocator growth) are > 4x the median
-    kept = [x for x in lat if x <= 4 * np.median(lat)] if lat else []
+    keep = [x <= 4 * np.median(lat) for x in lat] if lat else []
+    kept = [x for x, k in zip(lat, keep) if k]
+    kept_idle = [x for x, k in zip(idle, keep) if k]
     mean = float(np.mean(kept)) if kept else float("nan")
     gpu = float(np.median([p["gpu_step"] for p in parts])) if parts else float("nan")   # robust to
     attn = float(np.median([p["attention"] for p in parts])) if parts else float("nan")  # JIT stalls
@@ -179,7 +191,10 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
                          "rest": gpu - attn},
         "host_ms": {"kv_management": host["kv_ms"], "plan": host["plan_ms"],
                     "forward_enqueue": host["forward_ms"]},
-        "host_overhead": max(0.0, (mean - gpu) / mean) if lat and parts else float("nan"),
+        "host_overhead": float(np.sum(kept_idle) / np.sum(kept)) if kept else float("nan"),
+        "idle_ms": float(np.mean(kept_idle)) if kept else float("nan"),
+        "busy_step_ms": float(np.mean(np.subtract(kept, kept_idle))) if kept else float("nan"),
+        "isolated_gap": (mean - gpu) / mean if lat and parts else float("nan"),
         "breakdown_pure": all(p["pure"] for p in parts),
         "strategies_used": used, "cuda_graphs": graphs,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,

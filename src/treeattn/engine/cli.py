@@ -272,7 +272,8 @@ def bench_command(args) -> int:
     def progress(name, strategy, r):
         console.print(f"  {name:16s} {strategy:10s} {r['mean_step_ms']:8.2f} ms/step  "
                       f"gpu {r['gpu_step_ms']:7.2f} "
-                      f"attn {r['breakdown_ms']['attention']:7.2f}  host overhead {r['host_overhead']:.1%}  "
+                      f"attn {r['breakdown_ms']['attention']:7.2f}  GPU idle {r['idle_ms']:.3f} ms/step "
+                      f"(host overhead {r['host_overhead']:.1%})  "
                       f"({r['wall_s']:.1f} s)")
 
     try:

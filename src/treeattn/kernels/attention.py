@@ -135,19 +135,14 @@ def _merge_states_kernel(
     num_heads,
     stride_pn, stride_ph, stride_pln,
     stride_on, stride_oh, stride_ln,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     """One program = one output row (query ``merge_q_indices[program]``) x BLOCK_H heads:
-    log-sum-exp merge of its partial states, BLOCK_R rows at a time.
-
-    A query's rows are loaded together (one chunk for up to BLOCK_R rows), so the program's
-    latency is a few dependent loads (row numbers, then their LSEs and outputs) instead of two
-    per row. Deterministic: the chunks and the reductions within them have a fixed order."""
+    log-sum-exp merge of its partial states, in the order of the merge map (deterministic)."""
     n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_r = tl.arange(0, BLOCK_R)
     h_valid = offs_h < num_heads
     hd_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
     start = tl.load(merge_indptr + n)
@@ -155,20 +150,17 @@ def _merge_states_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        r_valid = r0 + offs_r < end
-        rows = tl.load(merge_indices + r0 + offs_r, mask=r_valid, other=0).to(tl.int64)
-        lse = tl.load(LSE_part + rows[:, None] * stride_pln + offs_h[None, :],
-                      mask=r_valid[:, None] & h_valid[None, :], other=float("-inf"))   # [R, H]
-        o = tl.load(O_part + rows[:, None, None] * stride_pn + offs_h[None, :, None] * stride_ph
-                    + offs_d[None, None, :], mask=r_valid[:, None, None] & hd_mask[None, :, :],
-                    other=0.0).to(tl.float32)                                          # [R, H, D]
-        m_new = tl.maximum(m, tl.max(lse, 0))
+    for i in range(start, end):
+        r = tl.load(merge_indices + i).to(tl.int64)
+        lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
+        o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
+                    mask=hd_mask, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale_old = tl.exp2((m - m_safe) * LOG2E)
-        w = tl.exp2((lse - m_safe[None, :]) * LOG2E)  # 0 for padding rows and empty partials
-        den = den * scale_old + tl.sum(w, 0)
-        acc = acc * scale_old[:, None] + tl.sum(w[:, :, None] * o, 0)
+        w = tl.exp2((lse - m_safe) * LOG2E)
+        den = den * scale_old + w
+        acc = acc * scale_old[:, None] + w[:, None] * o
         m = m_new
     has = den > 0.0
     out = acc / tl.where(has, den, 1.0)[:, None]

@@ -22,7 +22,6 @@ from treeattn.plan.plan import (
     TILE_SHORT,
     HeadConfig,
     _block_m_choices,
-    merge_chunks,
 )
 
 __all__ = ["CostModel", "launch_features"]
@@ -115,8 +114,8 @@ class CostModel:
     mask_cost: float = 1.22
     #: exponent of the soft maximum of a launch's SM time and its longest program
     overlap_exponent: float = 59.4
-    #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one chunk of
-    #: up to 16 partial rows on the longest query's chain, latency-bound)
+    #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one partial
+    #: row on the longest query's chain, latency-bound)
     launch_overhead_s: float = 1.91e-6
     merge_step_s: float = 0.407e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
@@ -199,7 +198,7 @@ class CostModel:
         direct = merge_rows_max <= 1 and rows == num_queries
         partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
         attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
-        merge = 0.0 if direct else max(merge_chunks(merge_rows_max) * self.merge_step_s,
+        merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
                                        ) + self.launch_overhead_s
         return {"attention": attn, "merge": merge, "launches": len(launches), "masked": bool(masked),

@@ -162,8 +162,6 @@ class Plan:
         The other queries (none, or several partial rows): the ones the merge kernel writes.
     num_direct : int
         Rows with ``row_direct`` set (host copy; 0 means the kernel writes no output).
-    merge_rows_max : int
-        Most partial rows of one merged query (host copy; sizes the merge kernel's row chunk).
     mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
         Tree mask, present when some query of an item sees only part of it: token ``t`` (at
         offset ``mask_pos`` of a node with pre-order range ``[mask_lo, mask_hi)``) is visible to
@@ -190,7 +188,6 @@ class Plan:
     row_direct: torch.Tensor
     merge_q_indices: torch.Tensor
     num_direct: int
-    merge_rows_max: int
     mask_lo: torch.Tensor | None
     mask_hi: torch.Tensor | None
     mask_pos: torch.Tensor | None
@@ -277,20 +274,6 @@ SHORT_ITEM_TOKENS = 48
 TILE_SHORT = (32, 4, 2)
 TILE_LONG = (64, 4, 3)
 TILE_LONG_HEAD256 = (32, 4, 2)
-
-
-#: Most partial rows the merge kernel loads at once (one chunk; queries with more loop)
-MERGE_ROW_BLOCK = 16
-
-
-def merge_row_block(rows_max: int) -> int:
-    """Rows per chunk of the merge kernel for queries of at most ``rows_max`` partial rows."""
-    return min(MERGE_ROW_BLOCK, 1 << max(1, (max(1, int(rows_max)) - 1).bit_length()))
-
-
-def merge_chunks(rows_max: int) -> int:
-    """Chunks (dependent load rounds) of the merge kernel's longest query."""
-    return max(1, -(-int(rows_max) // merge_row_block(rows_max)))
 
 
 def launch_shapes(heads: HeadConfig) -> list:
@@ -455,8 +438,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         kv_indices=t["kv_indices"], work_kv_start=t["work_kv_start"], work_kv_end=t["work_kv_end"],
         work_row_indptr=t["work_row_indptr"], row_q_indices=t["row_q_indices"],
         merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], row_direct=t["row_direct"],
-        merge_q_indices=t["merge_q_indices"], num_direct=num_direct,
-        merge_rows_max=int(q_rows[merge_q].max()) if merge_q.size else 0, mask_lo=t["mask_lo"],
+        merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
