@@ -104,6 +104,20 @@ def test_auto_avoids_clearly_slower_strategies():
     assert plan_auto(tree, H200_HEADS, CostModel(), PLANNERS)[0] == "greedy"
 
 
+def test_auto_prefers_fewer_kernels_among_close_estimates():
+    """Within ``choice_margin`` of the best estimate, auto takes the plan with the fewest kernels
+    (launches plus the merge); with no margin, the best estimate."""
+    tree = tree_from_spec("1,16,64_1024,256,32")
+    est = {s: estimate_items(tree, p(tree, H200_HEADS, CostModel())[0], H200_HEADS, CostModel())
+           for s, p in PLANNERS.items()}
+    kernels = {s: e["launches"] + (e["merge"] > 0) for s, e in est.items()}
+    exact, _, _ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=0.0), PLANNERS)
+    assert est[exact]["total"] == min(e["total"] for e in est.values())
+    loose, _, why = plan_auto(tree, H200_HEADS, CostModel(choice_margin=100.0), PLANNERS)
+    assert kernels[loose] == min(kernels.values())
+    assert loose == exact or "fewest kernels within" in why
+
+
 def test_explain_mentions_choice_and_estimates():
     plan = make_plan(tree_from_spec("1,16,64_1024,256,32"), H200_HEADS, strategy="auto")
     text = plan.explain()

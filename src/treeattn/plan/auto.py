@@ -56,8 +56,15 @@ def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: 
             est = estimate_items(tree, items, heads, cost, **tokens)
         scored.append((est["total"], name, items, note, est))
     scored.sort(key=lambda s: s[0])
-    _, name, items, note, est = scored[0]
+    close = [s for s in scored if s[0] <= scored[0][0] * (1.0 + cost.choice_margin)]
+    _, name, items, note, est = min(close, key=lambda s: (_kernels(s[4]), s[0]))
     table = ", ".join(f"{n} {s * 1e6:.1f}us" for s, n, _, _, _ in scored)
     why = (f"attention {est['attention'] * 1e6:.1f}us in {est['launches']} launch(es) + merge "
            f"{est['merge'] * 1e6:.1f}us")
+    if name != scored[0][1]:
+        why += f"; fewest kernels within {cost.choice_margin:.0%} of the best estimate"
     return name, items, f"auto chose {name} ({why}; cost model estimates: {table}); {note}"
+
+
+def _kernels(est: dict) -> int:
+    return est["launches"] + (est["merge"] > 0)

@@ -120,6 +120,11 @@ class CostModel:
     merge_step_s: float = 0.407e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
+    #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
+    #: of the best: closer estimates are within the model's error (rms log error ~0.15), and each
+    #: kernel costs more between back-to-back decode steps than the fit sees (on the kernel
+    #: suite's timings, 2% picks within 5% of the fastest on 95/96 cases, 0% on 94, 5% on 91)
+    choice_margin: float = 0.02
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056
