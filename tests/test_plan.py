@@ -230,3 +230,19 @@ def test_greedy_balance_split_follows_the_work():
     assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t)
     wide, note = plan_greedy(tree_from_spec("1,1024_2048,32"), heads, cost)
     assert "fair share" not in note and wide.item_len.max() == 2048
+
+
+@pytest.mark.parametrize("strategy", ["node", "greedy", "pack"])
+def test_only_launches_with_partly_seen_items_apply_the_mask(strategy):
+    """Under a speculative token tree the long context is seen whole by every query: its launch
+    skips the tree mask, the draft tokens' launch applies it, and the IO counts the mask's loads
+    for masked launches only."""
+    heads = HeadConfig(32, 8, 128, torch.float16)
+    plan = make_plan(tree_from_medusa(32, context_len=300), heads, strategy=strategy)
+    assert plan.has_mask and {ln.masked for ln in plan.launches} == {False, True}
+    start, end = plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
+    tiles = sum(int((end[ln.work_start:ln.work_end] - start[ln.work_start:ln.work_end]).sum())
+                for ln in plan.launches if ln.masked)
+    assert plan.io.mask == tiles * 12 * heads.num_kv_heads
+    # a plan without a mask keeps every launch masked: a mask added later applies everywhere
+    assert all(ln.masked for ln in make_plan(tree_from_spec("1,4_30,5"), heads, strategy=strategy).launches)

@@ -121,7 +121,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
-            HAS_MASK=plan.has_mask, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            HAS_MASK=plan.has_mask and launch.masked, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )

@@ -88,7 +88,12 @@ class PlanIO:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch over work items ``[work_start, work_end)`` with one tile shape."""
+    """One kernel launch over work items ``[work_start, work_end)`` with one tile shape.
+
+    ``masked``: the launch applies the plan's tree mask when the plan has one. The builder clears
+    it for the launches of a masked plan whose queries all see their items whole (a long context
+    under a speculative token tree), which then skip the mask's loads and compares.
+    """
 
     block_m: int
     block_n: int
@@ -96,6 +101,7 @@ class Launch:
     work_end: int
     num_warps: int = 4
     num_stages: int = 2
+    masked: bool = True
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,6 +124,8 @@ class PlanHost:
         the plan's life, as updates only insert entries right after tails.
     tail_cover : int64 [n_tails]
         Work units whose KV range holds each tail (``start_tails <= k < end_tails``).
+    tail_cover_masked : int64 [n_tails]
+        The same, counting only work units of launches that apply the tree mask.
     saw_all : bool [Q]
         Queries that see the whole of their node.
     tree : DecodingTree
@@ -135,6 +143,7 @@ class PlanHost:
     start_tails: np.ndarray
     end_tails: np.ndarray
     tail_cover: np.ndarray
+    tail_cover_masked: np.ndarray
     saw_all: np.ndarray
     tree: DecodingTree
 
@@ -329,6 +338,12 @@ def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> n
     return tree.kv_indices[ranges(start, start + count)].astype(np.int32)
 
 
+def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
+    """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
+    return np.cumsum(np.bincount(start_tails, minlength=n_tails + 1)
+                     - np.bincount(end_tails, minlength=n_tails + 1))[:-1]
+
+
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
                device="cpu", reason: str = "", requested_strategy: str | None = None) -> Plan:
     """Lower planner work items to a :class:`Plan`.
@@ -354,9 +369,14 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         vis = vis[keep_pair]
         q_item = q_item[keep_pair]
     nq = items.item_queries
-    needs_mask = bool(np.any(vis < length[q_item]))
+    partial = vis < length[q_item]
+    needs_mask = bool(np.any(partial))
+    # items some query sees only part of: their launches apply the mask (every launch when the
+    # plan has none: a mask added later, for decode windows, applies everywhere)
+    item_masked = (np.bincount(q_item[partial], minlength=items.num_items) > 0 if needs_mask
+                   else np.ones(items.num_items, dtype=bool))
     keep = np.flatnonzero((length > 0) & (nq > 0))
-    length, nq = length[keep], nq[keep]
+    length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
     # -- query tiles: PAT round-up, split only beyond the largest tile
     block_m = _choose_block_m(nq * group, group)
     kv_tile = _choose_kv_tile(length, heads.head_dim)
@@ -365,6 +385,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     order = np.lexsort((-length, kv_tile[:, 0], block_m))
     items = items.take(keep[order])
     length, nq, block_m, kv_tile = length[order], nq[order], block_m[order], kv_tile[order]
+    item_masked = item_masked[order]
     n_items = items.num_items
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
@@ -395,12 +416,16 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     row_direct = q_rows[row_q] == 1
     num_direct = int(np.count_nonzero(row_direct))
     merge_q = np.flatnonzero(q_rows != 1)
-    # launches: one per (block_m, kv tile) shape; items (so work units) are grouped by shape
+    # launches: one per (block_m, kv tile) shape; items (so work units) are grouped by shape. A
+    # launch applies the tree mask when one of its items needs it (an extra launch would cost more)
     shape = np.column_stack((block_m, kv_tile))
     bounds = np.flatnonzero(np.any(shape[1:] != shape[:-1], axis=1)) + 1
     first = np.concatenate(([0], bounds)).tolist()
+    if n_items:
+        item_masked = np.repeat(np.logical_or.reduceat(item_masked, first), np.diff(first + [n_items]))
     w_bounds = np.concatenate((w_first, [w_item.size]))
-    launches = tuple(Launch(*shape[a, :2].tolist(), int(w_bounds[a]), int(w_bounds[b]), *shape[a, 2:].tolist())
+    launches = tuple(Launch(*shape[a, :2].tolist(), int(w_bounds[a]), int(w_bounds[b]), *shape[a, 2:].tolist(),
+                            masked=bool(item_masked[a]))
                      for a, b in zip(first, first[1:] + [n_items]) if w_bounds[b] > w_bounds[a])
     # tree mask
     mask = [None] * 5
@@ -418,7 +443,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         queries=int(row_q.size) * hq * d * eb,
         partial_write=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
         partial_read=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
-        mask=(kv_tok_tiles * 3 * 4 * hkv) if needs_mask else 0,
+        mask=int((length * tiles)[item_masked].sum()) * 3 * 4 * hkv if needs_mask else 0,
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
@@ -431,6 +456,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     tail_node = seg_node[at_tail].astype(np.intp, copy=False)
     start_tails = np.searchsorted(tail, work_kv_start)
+    w_masked = item_masked[w_item]
     end_tails = np.searchsorted(tail, work_kv_end)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
@@ -446,7 +472,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
-                      tail_cover=np.cumsum(np.bincount(start_tails, minlength=tail.size + 1)
-                                           - np.bincount(end_tails, minlength=tail.size + 1))[:-1],
+                      tail_cover=_cover(start_tails, end_tails, tail.size),
+                      tail_cover_masked=_cover(start_tails[w_masked], end_tails[w_masked], tail.size),
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
     )

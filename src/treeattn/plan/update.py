@@ -119,7 +119,7 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         io, kv=io.kv + added * per_token,
         kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
         index=io.index + added_tiles * 4 * heads.num_kv_heads,
-        mask=io.mask + (added_tiles * 12 * heads.num_kv_heads if plan.has_mask else 0))
+        mask=io.mask + (int(counts @ h.tail_cover_masked) * 12 * heads.num_kv_heads if plan.has_mask else 0))
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
