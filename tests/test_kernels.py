@@ -196,3 +196,27 @@ def test_greedy_balance_split_of_a_verification_tree(rng, dtype):
     out, lse = w.run(q, kc, vc, plan, return_lse=True)
     assert rel_l2(out, o_ref) <= TOL[dtype]
     assert rel_l2(lse, lse_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_packed_leaf_items_match_float64_reference(rng, hq, hkv):
+    """Leaf items packed 2 and 4 per work item run in the Triton kernel (the interpreter on CPU):
+    each query attends to its own leaf only, through the tree mask of the packed items' launch."""
+    from treeattn.plan import HeadConfig, PLANNERS
+    from treeattn.plan.packing import pack_leaf_items
+    from treeattn.plan.plan import build_plan
+
+    tree = tree_from_spec("1,4,16_40,9,5")
+    d = 16
+    q = torch.randn(tree.num_queries, hq, d)
+    k = torch.randn(tree.num_tokens, hkv, d)
+    v = torch.randn(tree.num_tokens, hkv, d)
+    paged, kc, vc = paged_copy(tree, k, v, 4, rng)
+    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    heads = HeadConfig(hq, hkv, d, torch.float32)
+    items, _ = PLANNERS["node"](paged, heads, CostModel())
+    for factor in (2, 4):
+        plan = build_plan(paged, pack_leaf_items(items, paged, factor, group=hq // hkv), heads, strategy="node")
+        assert plan.num_items < items.num_items
+        w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1), backend="triton")
+        assert rel_l2(w.run(q, kc, vc, plan), o_ref) <= 1e-4

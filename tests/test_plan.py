@@ -246,3 +246,41 @@ def test_only_launches_with_partly_seen_items_apply_the_mask(strategy):
     assert plan.io.mask == tiles * 12 * heads.num_kv_heads
     # a plan without a mask keeps every launch masked: a mask added later applies everywhere
     assert all(ln.masked for ln in make_plan(tree_from_spec("1,4_30,5"), heads, strategy=strategy).launches)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_packed_leaf_items_cover_every_visible_token_once(rng, k, group):
+    """Packing leaf items keeps every (query, visible token) pair planned exactly once (the tree
+    mask keeps each query to its own leaf); the packed items are flagged masked, as are their
+    launches, and the other items' launches are not."""
+    from treeattn.plan.items import WorkItems
+    from treeattn.plan.packing import pack_leaf_items
+    from treeattn.plan.plan import build_plan
+
+    tree = tree_from_spec("1,3,24_37,5,3")
+    heads = HeadConfig(8 * group, 8, 16, torch.float32)
+    base = node_items(tree)
+    base = WorkItems(base.seg_indptr, base.seg_node, base.seg_lo, base.seg_hi, base.q_indptr, base.q_indices,
+                     base.q_tokens, np.zeros(base.num_items, dtype=bool))
+    packed = pack_leaf_items(base, tree, k, group=group)
+    if k * group > 16:
+        assert packed is base  # a leaf's rows would not fit one query tile k times
+        return
+    assert packed.num_items == 4 + -(-24 // k) and int(packed.masked.sum()) == -(-24 // k) - (24 % k == 1)
+    plan = build_plan(tree, packed, heads, strategy="node")
+    got_q, got_t = planned_coverage(tree, plan)
+    exp_q, exp_t = expected_coverage(tree)
+    assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t)
+    assert plan.has_mask and {ln.masked for ln in plan.launches} == {False, True}
+
+
+def test_auto_packs_the_leaves_of_wide_trees():
+    """On a 1024-leaf tree at 32/32 heads the cost model packs the 16-token leaves (measured 1.2-1.5x
+    faster on an H200: benchmarks/sweep_packing.py); small trees are left alone."""
+    wide = tree_from_spec("1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16")
+    plan = make_plan(wide, HeadConfig(32, 32, 128, torch.float16), strategy="auto")
+    assert "leaf items packed" in plan.reason and plan.has_mask
+    assert plan.num_items < 1024
+    small = make_plan(tree_from_spec("1,4,16_40,9,5"), HeadConfig(32, 32, 128, torch.float16), strategy="node")
+    assert "packed" not in small.reason

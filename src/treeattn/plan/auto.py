@@ -16,13 +16,14 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
 
     ``visible_tokens`` (tokens all queries see) and ``kv_tokens`` (unique tokens some query sees)
     are the tree's, computed when not given."""
-    length, nq = items.item_len, items.item_queries
+    length, nq, item_masked = items.item_len, items.item_queries, items.masked
     used = (length > 0) & (nq > 0)
     if used.all():
         q_used = items.q_indices
     else:
         length, nq = length[used], nq[used]
         q_used = items.q_indices[np.repeat(used, items.item_queries)]
+        item_masked = None if item_masked is None else item_masked[used]
     per_query = np.bincount(q_used, minlength=tree.num_queries)
     # every visible token of a query is in exactly one of its items, so the items hold more
     # (item, query) tokens than the queries see iff some query sees only part of an item: the
@@ -31,7 +32,7 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
         visible_tokens = int(tree.visible_tokens.sum())
     if kv_tokens is None:
         kv_tokens = int(tree.node_extent.sum())
-    masked = int(length @ nq) > visible_tokens
+    masked = item_masked if item_masked is not None else int(length @ nq) > visible_tokens
     return cost._breakdown(length, nq, heads, int(per_query.max()) if per_query.size else 0,
                            tree.num_queries, kv_tokens, masked)
 

@@ -55,9 +55,11 @@ def _tile_tables(group: int, head_dim: int) -> tuple:
     return block_m, np.maximum(block_m // group, 1), TILE_SHORT[0], long_cfg[0], long_cfg != TILE_SHORT
 
 
-def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig) -> list:
+def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None) -> list:
     """:func:`launch_features` of items that all have tokens and queries, as a list of tuples
-    (few numpy passes: ``auto`` runs this for every strategy)."""
+    (few numpy passes: ``auto`` runs this for every strategy); with per-item ``masked`` flags, a
+    sixth entry says whether the launch applies the tree mask (one of its items needs it, as
+    the plan builder decides)."""
     if length.size == 0:
         return []
     group = heads.group
@@ -80,6 +82,10 @@ def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig) -> list:
     longest = np.zeros(n_shapes, dtype=np.int64)
     np.maximum.at(longest, shape, kv_tiles)
     hkv = heads.num_kv_heads
+    if masked is not None:
+        masked = (np.bincount(shape, weights=masked, minlength=n_shapes) > 0).tolist()
+        return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m,
+                 masked[k]) for k, m in enumerate(longest.tolist()) if programs[k] > 0]
     return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m)
             for k, m in enumerate(longest.tolist()) if programs[k] > 0]
 
@@ -157,7 +163,7 @@ class CostModel:
 
     def breakdown(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
                   merge_rows_max: int = 1, num_queries: int | None = None,
-                  kv_tokens: int | None = None, masked: bool = False) -> dict:
+                  kv_tokens: int | None = None, masked: bool | np.ndarray = False) -> dict:
         """Seconds of one run, by part: ``attention``, ``merge``, ``total`` (and ``launches``,
         ``masked``).
 
@@ -169,7 +175,8 @@ class CostModel:
         overlap on side streams; the fitted constants absorb it, and a model that adds their SM
         times fitted worse: benchmarks/NOTES.md); all of them cannot beat HBM
         bandwidth for the unique KV (``kv_tokens``, default: every item token) and the partial
-        rows written. The tree mask (``masked``) makes every KV tile ``1 + mask_cost`` times
+        rows written. The tree mask (``masked``: for the plan, or per item, a launch then being
+        masked when one of its items is) makes every KV tile of a masked launch ``1 + mask_cost`` times
         dearer. Merge: the longest chain of merge steps (``merge_rows_max``), no faster than
         reading the partial rows and writing the output, plus a launch; none when every query
         has one row (the kernel writes the output). ``num_queries`` defaults to the rows.
@@ -177,8 +184,11 @@ class CostModel:
         length = np.asarray(item_len, dtype=np.int64)
         nq = np.asarray(item_queries, dtype=np.int64)
         used = (length > 0) & (nq > 0)
+        if isinstance(masked, np.ndarray):
+            masked = masked.astype(bool)
         if not used.all():
             length, nq = length[used], nq[used]
+            masked = masked[used] if isinstance(masked, np.ndarray) else masked
         return self._breakdown(length, nq, heads, merge_rows_max, num_queries, kv_tokens, masked)
 
     def _breakdown(self, length: np.ndarray, nq: np.ndarray, heads: HeadConfig, merge_rows_max: int,
@@ -189,11 +199,14 @@ class CostModel:
         num_queries = rows if num_queries is None else int(num_queries)
         kv_tokens = int(length.sum()) if kv_tokens is None else int(kv_tokens)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
-        mask = 1.0 + self.mask_cost * bool(masked)
         p = self.overlap_exponent
-        launches = _launches(length, nq, heads)
+        per_item = isinstance(masked, np.ndarray)
+        launches = _launches(length, nq, heads, masked if per_item else None)
+        if not per_item:
+            launches = [ln + (bool(masked),) for ln in launches]
         attn = 0.0
-        for block_m, block_n, programs, work, longest in launches:  # a few launches: plain floats
+        for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain floats
+            mask = 1.0 + self.mask_cost * launch_masked
             tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
             sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms
             longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
@@ -206,5 +219,6 @@ class CostModel:
         merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
                                        ) + self.launch_overhead_s
-        return {"attention": attn, "merge": merge, "launches": len(launches), "masked": bool(masked),
+        return {"attention": attn, "merge": merge, "launches": len(launches),
+                "masked": bool(np.any(masked)),
                 "total": attn + merge + self.fixed_overhead_s}

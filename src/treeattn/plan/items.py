@@ -35,6 +35,9 @@ class WorkItems:
         Tokens of its item that each query sees, when the planner knows them cheaply (else the
         plan builder computes them from the tree); :func:`split_long_items` keeps them when every
         query sees its items whole.
+    masked : bool [num_items] or None
+        Items some query sees only part of, when the planner knows (leaf packing); None: the cost
+        model assumes the whole plan is masked iff some item is.
     """
 
     seg_indptr: np.ndarray
@@ -44,6 +47,7 @@ class WorkItems:
     q_indptr: np.ndarray
     q_indices: np.ndarray
     q_tokens: np.ndarray | None = None
+    masked: np.ndarray | None = None
 
     @property
     def num_items(self) -> int:
@@ -70,7 +74,8 @@ class WorkItems:
             _indptr(self.seg_indptr[keep + 1] - self.seg_indptr[keep]), self.seg_node[seg],
             self.seg_lo[seg], self.seg_hi[seg],
             _indptr(self.q_indptr[keep + 1] - self.q_indptr[keep]), self.q_indices[qs],
-            None if self.q_tokens is None else self.q_tokens[qs])
+            None if self.q_tokens is None else self.q_tokens[qs],
+            None if self.masked is None else self.masked[keep])
 
 
 def _indptr(counts: np.ndarray) -> np.ndarray:

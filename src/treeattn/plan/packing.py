@@ -1,0 +1,85 @@
+"""Leaf packing: several small leaf items in one work item, their queries kept apart by the mask.
+
+A decoding tree with many short leaves (1024 sampled continuations of 16 tokens) gives one work
+item, so one program per KV head, per leaf. Each program is latency-bound and costs about half a
+microsecond of SM time whatever its size, so at 32/32 heads the ~33K leaf programs alone take
+longer than the whole plan's HBM traffic. Packing ``k`` consecutive leaf items into one item
+concatenates their tokens (one KV tile for several leaves) and their query rows (one query tile);
+each query still sees only its own leaf, because the tree mask hides tokens of nodes that are not
+its ancestors, and only the packed items' launch applies it. Measured on an H200
+(benchmarks/sweep_packing.py): 1.2-1.5x on the 1024-leaf suite trees at 32/32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.auto import estimate_items
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, items_from_groups
+from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
+from treeattn.tree import DecodingTree
+
+__all__ = ["pack_leaf_items", "choose_leaf_packing"]
+
+#: tokens a packed item may hold (a few KV tiles: packing long leaves only lengthens programs)
+PACK_MAX_TOKENS = 256
+PACK_FACTORS = (2, 4, 8, 16)
+
+
+def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
+                    rows: int = BLOCK_M_CHOICES[0], max_tokens: int = PACK_MAX_TOKENS) -> WorkItems:
+    """``items`` with runs of ``k`` consecutive *leaf items* merged into one item each.
+
+    A leaf item has one segment, and every query of it sits at that segment's node; it is packed
+    when ``k`` such items fit one query tile (``k * queries * group <= rows``) and
+    ``k * tokens <= max_tokens``. The result's ``masked`` flags mark the packed items (the plan
+    builder finds the same from visibility). ``items`` itself is returned when nothing packs.
+    """
+    n = items.num_items
+    if k < 2 or n < 2:
+        return items
+    nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
+    nq = items.item_queries
+    one = nseg == 1
+    seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
+    item_of_q = np.repeat(np.arange(n), nq)
+    at_node = tree.query_nodes[items.q_indices] == seg_node[item_of_q]
+    own = np.bincount(item_of_q, weights=at_node, minlength=n) == nq
+    leaf = one & (nq > 0) & own & (nq * group * k <= rows) & (items.item_len * k <= max_tokens)
+    num_leaves = int(leaf.sum())
+    if num_leaves < 2:
+        return items
+    new_id = np.empty(n, dtype=np.int64)
+    others = np.flatnonzero(~leaf)
+    new_id[others] = np.arange(others.size)
+    new_id[leaf] = others.size + np.arange(num_leaves) // k
+    num = others.size + -(-num_leaves // k)
+    packed = items_from_groups(new_id[np.repeat(np.arange(n), nseg)], items.seg_node, items.seg_lo,
+                               items.seg_hi, new_id[item_of_q], items.q_indices, num, items.q_tokens)
+    masked = np.zeros(num, dtype=bool)
+    masked[others.size:] = np.bincount(new_id[leaf] - others.size, minlength=num - others.size) > 1
+    return WorkItems(packed.seg_indptr, packed.seg_node, packed.seg_lo, packed.seg_hi, packed.q_indptr,
+                     packed.q_indices, packed.q_tokens, masked)
+
+
+def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel
+                        ) -> tuple[WorkItems, int]:
+    """``items`` packed by the factor of :data:`PACK_FACTORS` (or 1: unpacked) that the cost model
+    rates fastest. Items that already need the tree mask are left as they are."""
+    if items.num_items * heads.num_kv_heads < cost.target_programs:
+        return items, 1  # few programs: nothing to save
+    tokens = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
+    base = estimate_items(tree, items, heads, cost, **tokens)
+    if base["masked"]:
+        return items, 1
+    best, best_k, best_t = items, 1, base["total"]
+    unmasked = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi, items.q_indptr,
+                         items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool))
+    for k in PACK_FACTORS:
+        packed = pack_leaf_items(unmasked, tree, k, group=heads.group)
+        if packed is unmasked:
+            break  # larger factors pack nothing either
+        t = estimate_items(tree, packed, heads, cost, **tokens)["total"]
+        if t < best_t:
+            best, best_k, best_t = packed, k, t
+    return best, best_k
