@@ -29,7 +29,7 @@ import numpy as np
 
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan
 from treeattn.plan.auto import estimate_items, plan_auto
-from treeattn.plan.cost import launch_features
+from treeattn.plan.cost import _launches
 from treeattn.workloads import tree_from_spec
 
 HERE = Path(__file__).resolve().parent
@@ -61,11 +61,14 @@ def extract(rows: list[dict], check: bool = True) -> dict:
             items, _ = PLANNERS[s](tree, heads, cm)
             length, nq = items.item_len, items.item_queries
             used = (length > 0) & (nq > 0)
-            f = launch_features(length, nq, heads)
-            # the inputs plan_auto gives the model (merge chain, mask, unique KV)
+            # the inputs plan_auto gives the model (merge chain, mask, unique KV); the mask per
+            # launch: per item when the planner knows (leaf packing), else the plan's
             q_used = items.q_indices[np.repeat(used, nq)]
             mrm = int(np.bincount(q_used, minlength=tree.num_queries).max())
             masked = int((length[used] * nq[used]).sum()) > int(tree.visible_tokens.sum())
+            item_masked = items.masked[used] if items.masked is not None else np.full(int(used.sum()), masked)
+            f = np.array(_launches(length[used], nq[used], heads, item_masked), dtype=np.float64).reshape(-1, 6)
+            masked = masked or bool(item_masked.any())
             if check:
                 plan = build_plan(tree, items, heads, strategy=s)
                 got = sorted((int(a), int(b), int(p)) for a, b, p in f[:, :3])
@@ -90,12 +93,12 @@ def predict(x: np.ndarray, feat: dict) -> np.ndarray:
     c = dict(zip(PARAMS, x))
     L, P = feat["launch"], feat["plan"]
     pid = L[:, 0].astype(np.int64)
-    block_m, block_n, programs, work, longest = L[:, 1:].T
+    block_m, block_n, programs, work, longest, launch_masked = L[:, 1:].T
     hq, hkv, rows, nqueries, kv_tokens, masked, mrm = (P[:, i] for i in range(2, 9))
     cm = CostModel()
     d, eb = HEAD_DIM, 2
     tok_bytes = d * 2 * eb
-    mask = 1.0 + c["mask_cost"] * masked[pid]
+    mask = 1.0 + c["mask_cost"] * launch_masked
     tile_sm_s = (block_n * tok_bytes / c["sm_bandwidth"] + 4.0 * block_m * block_n * d / c["sm_flops"]) * mask
     sm_time = (programs * c["program_overhead_s"] + work * tile_sm_s) / cm.num_sms
     longest_s = longest * (block_n * tok_bytes / c["program_bandwidth"]
