@@ -23,29 +23,38 @@ __all__ = ["pack_leaf_items", "choose_leaf_packing"]
 
 #: tokens a packed item may hold (a few KV tiles: packing long leaves only lengthens programs)
 PACK_MAX_TOKENS = 256
-PACK_FACTORS = (2, 4, 8, 16)
+PACK_MAX_FACTOR = 16
 
 
-def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
-                    rows: int = BLOCK_M_CHOICES[0], max_tokens: int = PACK_MAX_TOKENS) -> WorkItems:
-    """``items`` with runs of ``k`` consecutive *leaf items* merged into one item each.
-
-    A leaf item has one segment, and every query of it sits at that segment's node; it is packed
-    when ``k`` such items fit one query tile (``k * queries * group <= rows``) and
-    ``k * tokens <= max_tokens``. The result's ``masked`` flags mark the packed items (the plan
-    builder finds the same from visibility). ``items`` itself is returned when nothing packs.
-    """
+def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
+    """bool [num_items]: items with one segment whose queries all sit at that segment's node."""
     n = items.num_items
-    if k < 2 or n < 2:
-        return items
     nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
     nq = items.item_queries
     one = nseg == 1
     seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
     item_of_q = np.repeat(np.arange(n), nq)
     at_node = tree.query_nodes[items.q_indices] == seg_node[item_of_q]
-    own = np.bincount(item_of_q, weights=at_node, minlength=n) == nq
-    leaf = one & (nq > 0) & own & (nq * group * k <= rows) & (items.item_len * k <= max_tokens)
+    return one & (nq > 0) & (np.bincount(item_of_q, weights=at_node, minlength=n) == nq)
+
+
+def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
+                    rows: int = BLOCK_M_CHOICES[0], max_tokens: int = PACK_MAX_TOKENS,
+                    leaf: np.ndarray | None = None) -> WorkItems:
+    """``items`` with runs of ``k`` consecutive *leaf items* merged into one item each.
+
+    A leaf item has one segment, and every query of it sits at that segment's node; it is packed
+    when ``k`` such items fit one query tile (``k * queries * group <= rows``) and
+    ``k * tokens <= max_tokens``. The result's ``masked`` flags mark the packed items (the plan
+    builder finds the same from visibility). ``items`` itself is returned when nothing packs.
+    ``leaf`` (from the same items) saves finding the leaf items again.
+    """
+    n = items.num_items
+    if k < 2 or n < 2:
+        return items
+    nq = items.item_queries
+    leaf = (_leaf_items(items, tree) if leaf is None else leaf) & (nq * group * k <= rows) & \
+        (items.item_len * k <= max_tokens)
     num_leaves = int(leaf.sum())
     if num_leaves < 2:
         return items
@@ -54,8 +63,10 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
     new_id[others] = np.arange(others.size)
     new_id[leaf] = others.size + np.arange(num_leaves) // k
     num = others.size + -(-num_leaves // k)
+    nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
     packed = items_from_groups(new_id[np.repeat(np.arange(n), nseg)], items.seg_node, items.seg_lo,
-                               items.seg_hi, new_id[item_of_q], items.q_indices, num, items.q_tokens)
+                               items.seg_hi, new_id[np.repeat(np.arange(n), nq)], items.q_indices, num,
+                               items.q_tokens)
     masked = np.zeros(num, dtype=bool)
     masked[others.size:] = np.bincount(new_id[leaf] - others.size, minlength=num - others.size) > 1
     return WorkItems(packed.seg_indptr, packed.seg_node, packed.seg_lo, packed.seg_hi, packed.q_indptr,
@@ -64,22 +75,29 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
 
 def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel
                         ) -> tuple[WorkItems, int]:
-    """``items`` packed by the factor of :data:`PACK_FACTORS` (or 1: unpacked) that the cost model
-    rates fastest. Items that already need the tree mask are left as they are."""
+    """``items`` with their leaf items packed ``k`` at a time, or as they are (``k`` = 1), whichever
+    the cost model rates faster. ``k`` is the largest power of two that fits the typical (median)
+    leaf item ``k`` times into a query tile and :data:`PACK_MAX_TOKENS` (on the suite's trees the
+    cost model ranks the factors as measured, and the largest one won or tied). Items that already
+    need the tree mask, and plans with few programs, are left as they are."""
     if items.num_items * heads.num_kv_heads < cost.target_programs:
         return items, 1  # few programs: nothing to save
-    tokens = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
-    base = estimate_items(tree, items, heads, cost, **tokens)
+    leaf = _leaf_items(items, tree)
+    if leaf.sum() < 2:
+        return items, 1
+    rows = int(np.median(items.item_queries[leaf])) * heads.group
+    tokens = int(np.median(items.item_len[leaf]))
+    fit = min(BLOCK_M_CHOICES[0] // max(rows, 1), PACK_MAX_TOKENS // max(tokens, 1), PACK_MAX_FACTOR)
+    if fit < 2:
+        return items, 1
+    k = 1 << (fit.bit_length() - 1)
+    sums = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
+    base = estimate_items(tree, items, heads, cost, **sums)
     if base["masked"]:
         return items, 1
-    best, best_k, best_t = items, 1, base["total"]
     unmasked = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi, items.q_indptr,
                          items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool))
-    for k in PACK_FACTORS:
-        packed = pack_leaf_items(unmasked, tree, k, group=heads.group)
-        if packed is unmasked:
-            break  # larger factors pack nothing either
-        t = estimate_items(tree, packed, heads, cost, **tokens)["total"]
-        if t < best_t:
-            best, best_k, best_t = packed, k, t
-    return best, best_k
+    packed = pack_leaf_items(unmasked, tree, k, group=heads.group, leaf=leaf)
+    if packed is unmasked or estimate_items(tree, packed, heads, cost, **sums)["total"] >= base["total"]:
+        return items, 1
+    return packed, k
