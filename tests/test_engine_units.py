@@ -303,3 +303,19 @@ def test_layer_stride_matches_the_pool_layout_and_step_attention_falls_back_to_e
         out = torch.empty_like(q)
         eng._attend_fn(plan).for_step(q, out)(layer)
         assert torch.equal(out, want)
+
+
+def test_auto_decision_is_reused_across_similar_batches_and_not_across_sharing():
+    """A serving batch that gains or loses a request keeps auto's choice (same powers of two of
+    nodes, queries, tokens and sharing); a batch whose queries share much more decides again."""
+    from treeattn import DecodingTree, HeadConfig
+    from treeattn.engine.planning import StepPlanner
+
+    planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="auto", device="cpu")
+
+    def batch(n, shared, own):  # n requests under one system prompt of ``shared`` tokens
+        return DecodingTree.from_parents([-1] + [0] * n, [shared] + [own] * n)
+
+    assert planner.plan(batch(5, 300, 2500)).requested_strategy == "auto"
+    assert planner.plan(batch(6, 300, 2500)).requested_strategy != "auto"  # reused
+    assert planner.plan(batch(6, 6000, 100)).requested_strategy == "auto"  # 10x the sharing
