@@ -75,10 +75,15 @@ def planned_coverage(tree: DecodingTree, plan: Plan) -> tuple[np.ndarray, np.nda
     pos = ranges(start[row_work], end[row_work])
     q = np.repeat(row_q, (end - start)[row_work])
     if plan.has_mask:
+        # as the kernel does: only the launches flagged masked apply the tree mask
+        work_masked = np.zeros(start.size, dtype=bool)
+        for ln in plan.launches:
+            work_masked[ln.work_start:ln.work_end] = ln.masked
+        masked = np.repeat(work_masked[row_work], (end - start)[row_work])
         lo, hi, p = (t.cpu().numpy()[pos] for t in (plan.mask_lo, plan.mask_hi, plan.mask_pos))
         qp = plan.query_pos.cpu().numpy()[q]
         qpre = plan.query_prefix.cpu().numpy()[q]
-        vis = (lo <= qp) & (qp < hi) & ((lo < qp) | (p < qpre))
+        vis = ~masked | ((lo <= qp) & (qp < hi) & ((lo < qp) | (p < qpre)))
         q, pos = q[vis], pos[vis]
     slot_to_token = np.empty(int(tree.kv_indices.max()) + 1, dtype=np.int64)
     slot_to_token[tree.kv_indices] = np.arange(tree.kv_indices.size)

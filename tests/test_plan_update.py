@@ -178,3 +178,22 @@ def test_update_keeps_host_invariants_and_io(rng, strategy):
                        for ln in plan.launches if ln.masked) for p in h.tail_pos]
         assert np.array_equal(h.tail_cover_masked, m_cover)
         assert plan.min_slots == int(plan.kv_indices.max()) + 1
+
+
+@pytest.mark.parametrize("strategy", ["node", "greedy"])
+def test_update_of_packed_leaf_items_keeps_each_query_to_its_leaf(rng, strategy):
+    """Leaf items packed into shared work items (many short leaves, 32 KV heads) stay packed
+    through lazy updates: the new tokens join their leaf inside the packed item, with its tree
+    mask range, so every query still sees exactly its own path."""
+    tree = tree_from_spec("1,200_40,6")
+    heads = dict(num_qo_heads=32, num_kv_heads=32, head_dim=16, dtype=torch.float32)
+    plan = TreeAttention(backend="torch").plan(tree, strategy=strategy, **heads)
+    assert "packed" in plan.reason and plan.has_mask
+    for steps in (1, 2):
+        tree = grow_leaves(tree, rng, steps)
+        updated = update_plan(plan, tree)
+        assert updated is not None and updated.num_work == plan.num_work
+        got_q, got_t = planned_coverage(tree, updated)
+        exp_q, exp_t = expected_coverage(tree)
+        assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t)
+        plan = updated
