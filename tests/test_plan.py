@@ -284,3 +284,10 @@ def test_auto_packs_the_leaves_of_wide_trees():
     assert plan.num_items < 1024
     small = make_plan(tree_from_spec("1,4,16_40,9,5"), HeadConfig(32, 32, 128, torch.float16), strategy="node")
     assert "packed" not in small.reason
+
+
+def test_leaf_packing_can_be_turned_off():
+    wide = tree_from_spec("1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16")
+    heads = HeadConfig(32, 32, 128, torch.float16)
+    plan = make_plan(wide, heads, strategy="node", cost=CostModel(leaf_packing=False))
+    assert "packed" not in plan.reason and plan.num_items == wide.num_nodes

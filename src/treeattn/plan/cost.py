@@ -131,6 +131,8 @@ class CostModel:
     #: kernel costs more between back-to-back decode steps than the fit sees (on the kernel
     #: suite's timings, 2% picks within 5% of the fastest on 95/96 cases, 0% on 94, 5% on 91)
     choice_margin: float = 0.02
+    #: let ``node`` and ``greedy`` pack small leaf items (:mod:`treeattn.plan.packing`)
+    leaf_packing: bool = True
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056

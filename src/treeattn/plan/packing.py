@@ -79,8 +79,9 @@ def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig,
     the cost model rates faster. ``k`` is the largest power of two that fits the typical (median)
     leaf item ``k`` times into a query tile and :data:`PACK_MAX_TOKENS` (on the suite's trees the
     cost model ranks the factors as measured, and the largest one won or tied). Items that already
-    need the tree mask, and plans with few programs, are left as they are."""
-    if items.num_items * heads.num_kv_heads < cost.target_programs:
+    need the tree mask, plans with few programs, and every plan with ``cost.leaf_packing`` off are
+    left as they are."""
+    if not cost.leaf_packing or items.num_items * heads.num_kv_heads < cost.target_programs:
         return items, 1  # few programs: nothing to save
     leaf = _leaf_items(items, tree)
     if leaf.sum() < 2:
