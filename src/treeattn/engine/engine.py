@@ -22,7 +22,6 @@ from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.ops import precompile
-from treeattn.plan import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +101,8 @@ class TreeEngine:
         self.tree = SequenceTree(self.kv)
         self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
         self.strategy = strategy
-        # the engine's attention runs its launches one after another (no side streams): on ToT
-        # steps a second launch cost ~3 us more than the suite-fitted model says
-        # (benchmarks/step_gaps.py, benchmarks/NOTES.md, session 7)
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
-                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh,
-                                   cost=CostModel(serial_launch_s=3e-6))
+                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh)
         self.backend = backend
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued

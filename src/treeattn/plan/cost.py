@@ -123,9 +123,6 @@ class CostModel:
     #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one partial
     #: row on the longest query's chain, latency-bound)
     launch_overhead_s: float = 1.91e-6
-    #: extra cost of each launch when a plan's launches run one after another (no side streams:
-    #: the fit above timed them overlapped under a CUDA graph); the engine sets it
-    serial_launch_s: float = 0.0
     merge_step_s: float = 0.407e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
@@ -216,7 +213,7 @@ class CostModel:
             sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms
             longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
                                    + 4.0 * block_m * block_n * d / self.program_flops) * mask
-            attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s + self.serial_launch_s
+            attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s
         # every query with a single row: the attention kernel writes the output, no merge launch
         direct = merge_rows_max <= 1 and rows == num_queries
         partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
