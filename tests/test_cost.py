@@ -125,11 +125,3 @@ def test_explain_mentions_choice_and_estimates():
     assert "launch(es) + merge" in text and "cost model estimates:" in text
     for s in PLANNERS:
         assert f"{s} " in text.split("cost model estimates:")[1]
-
-
-def test_serial_constants_charge_more_per_launch():
-    """``CostModel.serial()`` (fitted without side streams, what the engine runs) charges more per
-    launch than the default constants, and overrides apply on top of it."""
-    serial = CostModel.serial()
-    assert serial.launch_overhead_s > 2 * CostModel().launch_overhead_s
-    assert CostModel.serial(num_sms=66).num_sms == 66 and CostModel.serial(num_sms=66).mask_cost == serial.mask_cost

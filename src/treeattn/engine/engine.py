@@ -22,7 +22,6 @@ from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.ops import precompile
-from treeattn.plan import CostModel
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +101,8 @@ class TreeEngine:
         self.tree = SequenceTree(self.kv)
         self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
         self.strategy = strategy
-        # the engine's attention launches run one after another (no side streams, below): its
-        # planner uses the cost constants fitted on such timings
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
-                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh,
-                                   cost=CostModel.serial())
+                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh)
         self.backend = backend
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued

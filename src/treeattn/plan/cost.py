@@ -10,7 +10,6 @@ are identical on every host (tests on CPU plan exactly what the GPU runs).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -150,18 +149,6 @@ class CostModel:
     fasttree_gamma: float = 4.0
     fasttree_tile_q: int = 16
     fasttree_tile_kv: int = 64
-
-    @classmethod
-    def serial(cls, **changes) -> "CostModel":
-        """The attention constants fitted on timings whose launches run one after another, without
-        side streams, as the engine's attention graphs run them (benchmarks/fit_cost_model.py on
-        results/h200_kernels_serial.json: rms log error 0.139; it picks within 5% of the fastest on
-        92/96 of those cases, the default constants on 82/96). A launch costs ~7 us there, against
-        ~2 us when launches overlap."""
-        fitted = dict(program_bandwidth=21.6e9, program_flops=4.65e12, program_overhead_s=0.444e-6,
-                      sm_bandwidth=128e9, sm_flops=1.66e12, mask_cost=0.906, overlap_exponent=44.6,
-                      launch_overhead_s=7.14e-6, merge_step_s=0.128e-6, fixed_overhead_s=0.0)
-        return dataclasses.replace(cls(), **{**fitted, **changes})
 
     @property
     def balance_slots(self) -> int:
