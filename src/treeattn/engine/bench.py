@@ -20,7 +20,7 @@ the previous step's end event to it is idle time (zero when the host is ahead, a
 already queued). ``busy_step_ms`` is the mean step latency without that idle time.
 ``isolated_gap`` = (mean step latency - ``gpu_step_ms``) / mean step latency compares back-to-back
 steps with the isolated breakdown steps; it is not host overhead (on ToT and speculative
-workloads back-to-back steps are 10-20% slower than isolated ones while the host is several
+workloads back-to-back steps are 10-25% slower than isolated ones while the host is several
 steps ahead of the GPU: ``benchmarks/host_sync_probe.py``).
 """
 from __future__ import annotations

@@ -113,10 +113,11 @@ class StepPlanner:
         """``plan`` with a tree mask (built from the tree when the planner made none) and a
         private query_prefix tensor."""
         prefix = torch.from_numpy(tree.query_prefix.astype(np.int32))
-        # every launch applies the mask: the builder cleared it for launches whose queries saw
-        # their items whole at this prefix, which set_prefix then lowers (hiding reserved slots)
-        launches = tuple(dataclasses.replace(ln, masked=True) for ln in plan.launches)
         if plan.has_mask:
+            # every launch applies the mask: the builder cleared it for launches whose queries
+            # saw their items whole at this prefix, which set_prefix then lowers (hiding the
+            # reserved slots); a plan built without a mask keeps every launch's flag set
+            launches = tuple(dataclasses.replace(ln, masked=True) for ln in plan.launches)
             return dataclasses.replace(plan, query_prefix=prefix, launches=launches)
         topo = tree.topology
         slots = plan.kv_indices.numpy().astype(np.int64)
@@ -132,7 +133,7 @@ class StepPlanner:
             return torch.from_numpy(np.asarray(a, dtype=np.int32))
 
         return dataclasses.replace(
-            plan, launches=launches, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]),
+            plan, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]),
             mask_pos=i32(tok - tree.kv_indptr[node]), query_pos=i32(topo.tin[tree.query_nodes]),
             query_prefix=prefix)
 

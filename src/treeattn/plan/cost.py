@@ -43,7 +43,7 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
     keep = (length > 0) & (nq > 0)
     if not keep.all():
         length, nq = length[keep], nq[keep]
-    return np.array(_launches(length, nq, heads), dtype=np.float64).reshape(-1, 5)
+    return np.array(_launches(length, nq, heads), dtype=np.float64).reshape(-1, 6)[:, :5]
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,9 +57,9 @@ def _tile_tables(group: int, head_dim: int) -> tuple:
 
 def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None) -> list:
     """:func:`launch_features` of items that all have tokens and queries, as a list of tuples
-    (few numpy passes: ``auto`` runs this for every strategy); with per-item ``masked`` flags, a
-    sixth entry says whether the launch applies the tree mask (one of its items needs it, as
-    the plan builder decides)."""
+    (few numpy passes: ``auto`` runs this for every strategy), each with a sixth entry: whether
+    the launch applies the tree mask (one of its items is flagged in per-item ``masked``, as the
+    plan builder decides; False without flags)."""
     if length.size == 0:
         return []
     group = heads.group
@@ -82,11 +82,9 @@ def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None
     longest = np.zeros(n_shapes, dtype=np.int64)
     np.maximum.at(longest, shape, kv_tiles)
     hkv = heads.num_kv_heads
-    if masked is not None:
-        masked = (np.bincount(shape, weights=masked, minlength=n_shapes) > 0).tolist()
-        return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m,
-                 masked[k]) for k, m in enumerate(longest.tolist()) if programs[k] > 0]
-    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m)
+    flags = ((np.bincount(shape, weights=masked, minlength=n_shapes) > 0).tolist() if masked is not None
+             else [False] * n_shapes)
+    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m, flags[k])
             for k, m in enumerate(longest.tolist()) if programs[k] > 0]
 
 
@@ -127,9 +125,9 @@ class CostModel:
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
-    #: of the best: closer estimates are within the model's error (rms log error ~0.15), and each
-    #: kernel costs more between back-to-back decode steps than the fit sees (on the kernel
-    #: suite's timings, 2% picks within 5% of the fastest on 95/96 cases, 0% on 94, 5% on 91)
+    #: of the best: closer estimates are within the model's error (rms log error ~0.15). On the
+    #: kernel suite's timings (results/h200_kernels.json, leaf packing), 2% picks within 5% of the
+    #: fastest strategy on 92/96 cases (worst 1.11x), 0% on 91 (1.21x), 5% on 90 (1.25x)
     choice_margin: float = 0.02
     #: let ``node`` and ``greedy`` pack small leaf items (:mod:`treeattn.plan.packing`)
     leaf_packing: bool = True
@@ -204,11 +202,9 @@ class CostModel:
         p = self.overlap_exponent
         per_item = isinstance(masked, np.ndarray)
         launches = _launches(length, nq, heads, masked if per_item else None)
-        if not per_item:
-            launches = [ln + (bool(masked),) for ln in launches]
         attn = 0.0
         for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain floats
-            mask = 1.0 + self.mask_cost * launch_masked
+            mask = 1.0 + self.mask_cost * (launch_masked if per_item else bool(masked))
             tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
             sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms
             longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
