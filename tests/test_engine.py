@@ -314,8 +314,9 @@ def test_cuda_graphs_survive_a_bigger_bucket(tiny):
 def test_triton_decode_windows_match_transformers(tiny, strategy):
     """Decode windows plan several steps at once and lower each query's prefix after planning, so
     the tree mask hides the slots reserved for later steps. With the Triton kernels (the
-    interpreter on CPU) every launch of such a plan must apply the mask, also those whose queries
-    saw their items whole at planning time (a per-launch mask flag once skipped them: 0.09 off)."""
+    interpreter on CPU) every launch reading such a slot must apply the mask, also those whose
+    queries saw their items whole at planning time (a per-launch mask flag once skipped them: 0.09
+    off)."""
     hf, path = tiny
     m = TreeModel.from_pretrained(path, device="cpu", dtype=torch.float32)
     eng = TreeEngine(m, strategy=strategy, page_size=16, kv_tokens=2048, backend="triton")

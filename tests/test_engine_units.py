@@ -273,7 +273,8 @@ def test_device_plans_are_64_byte_aligned():
 
     planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="flatten", device="cuda")
     for ctx in (45, 301, 1000):
-        plan = planner.plan(tree_from_medusa(32, context_len=ctx), dynamic_prefix=True)
+        tree = tree_from_medusa(32, context_len=ctx)
+        plan = planner.plan(tree, first_prefix=tree.query_prefix - 1)
         for name in ("kv_indices", "work_kv_start", "work_row_indptr", "row_q_indices", "row_direct",
                      "merge_q_indices", "mask_lo", "mask_pos", "query_pos", "query_prefix"):
             assert getattr(plan, name).data_ptr() % 64 == 0, name
@@ -319,3 +320,42 @@ def test_auto_decision_is_reused_across_similar_batches_and_not_across_sharing()
     assert planner.plan(batch(5, 300, 2500)).requested_strategy == "auto"
     assert planner.plan(batch(6, 300, 2500)).requested_strategy != "auto"  # reused
     assert planner.plan(batch(6, 6000, 100)).requested_strategy == "auto"  # 10x the sharing
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "node", "flatten", "sequence"])
+def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng):
+    """A decode window plans with every query seeing its own node's reserved slots and lowers each
+    query's prefix before every step. Launches reading a slot some step hides apply the tree mask;
+    a launch over shared ancestors only (few-shot's prompt) skips it. Every step of the window
+    matches the reference at its prefix."""
+    from treeattn import DecodingTree, HeadConfig, TreeAttention
+    from treeattn.engine.planning import StepPlanner
+    from treeattn.reference import reference_attention
+
+    h = 4  # window: 3 reserved slots per leaf
+    parents, lengths = [-1] + [0] * 6, [700] + [int(x) + h - 1 for x in rng.integers(1, 40, 6)]
+    tree = DecodingTree.from_parents(parents, lengths, query_nodes=list(range(1, 7)), page_size=16)
+    heads = HeadConfig(8, 2, 32, torch.float32)
+    planner = StepPlanner(heads, strategy=strategy, device="cpu")
+    first = tree.query_prefix - (h - 1)
+    plan = planner.plan(tree, first_prefix=first)
+    assert plan.has_mask
+    lo, start, end = plan.mask_lo.numpy(), plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
+    root_only = [ln for ln in plan.launches if np.all(lo[start[ln.work_start]: end[ln.work_end - 1]] == 0)]
+    assert all(not ln.masked for ln in root_only)
+    assert all(ln.masked for ln in plan.launches if ln not in root_only)
+    if strategy in ("greedy", "node"):
+        assert root_only  # the prompt has launches of its own here
+    q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
+    k = torch.randn(-(-tree.num_tokens // 16), 16, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    attn = TreeAttention(device="cpu")
+    for step in range(h):
+        prefix = first + step
+        planner.set_prefix(plan, prefix)
+        out = attn.run(q.float(), k.float(), v.float(), plan)
+        seen = DecodingTree.from_parents(parents, lengths, query_nodes=list(range(1, 7)),
+                                         query_prefix=prefix, page_size=16)
+        ref = reference_attention(q, k, v, seen)[0]
+        err = float((out.double() - ref).norm() / ref.norm())
+        assert err < 1e-4, (step, err)

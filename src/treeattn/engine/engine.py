@@ -258,7 +258,7 @@ class TreeEngine:
                     self.kv.drop_reserved(n)
                 h, extra = 1, None
             dtree = self.tree.decoding_tree(nodes, extra=extra)
-            plan = self.planner.plan(dtree, dynamic_prefix=h > 1)
+            plan = self.planner.plan(dtree, first_prefix=np.asarray(own) if h > 1 else None)
             if h > 1:
                 self.planner.set_prefix(plan, np.asarray(own))
             plan_ms = self.planner.last_ms

@@ -82,11 +82,13 @@ class StepPlanner:
             return self._auto[1]
         return "auto"
 
-    def plan(self, tree: DecodingTree, *, dynamic_prefix: bool = False) -> Plan:
+    def plan(self, tree: DecodingTree, *, first_prefix: np.ndarray | None = None) -> Plan:
         """Plan ``tree`` and move the plan to the device.
 
-        With ``dynamic_prefix`` the plan always carries a tree mask and a private ``query_prefix``
-        tensor that :meth:`set_prefix` rewrites (decode windows).
+        With ``first_prefix`` (int ``[num_queries]``: how many of its own node's tokens each query
+        sees at the window's first step; ``tree.query_prefix`` is what it sees at the last) the
+        plan always carries a tree mask and a private ``query_prefix`` tensor that
+        :meth:`set_prefix` rewrites (decode windows).
         """
         t0 = time.perf_counter()
         strategy = self._choose(tree)
@@ -94,8 +96,8 @@ class StepPlanner:
         if strategy == "auto":
             self._auto = (self._shape_key(tree), plan.strategy, self.auto_refresh - 1)
         self.last_reason = plan.reason
-        if dynamic_prefix:
-            plan = self._masked(plan, tree)
+        if first_prefix is not None:
+            plan = self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
         plan = self._to_device(plan)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
@@ -109,33 +111,44 @@ class StepPlanner:
             plan.query_prefix.copy_(src.pin_memory(), non_blocking=True)
 
     @staticmethod
-    def _masked(plan: Plan, tree: DecodingTree) -> Plan:
-        """``plan`` with a tree mask (built from the tree when the planner made none) and a
-        private query_prefix tensor."""
-        prefix = torch.from_numpy(tree.query_prefix.astype(np.int32))
-        if plan.has_mask:
-            # every launch applies the mask: the builder cleared it for launches whose queries
-            # saw their items whole at this prefix, which set_prefix then lowers (hiding the
-            # reserved slots); a plan built without a mask keeps every launch's flag set
-            launches = tuple(dataclasses.replace(ln, masked=True) for ln in plan.launches)
-            return dataclasses.replace(plan, query_prefix=prefix, launches=launches)
+    def _masked(plan: Plan, tree: DecodingTree, first_prefix: np.ndarray) -> Plan:
+        """``plan`` with a tree mask (built from the tree when the planner made none), a private
+        query_prefix tensor, and the mask applied by every launch that reads a token some step
+        of the window hides: position ``p >= first_prefix[j]`` of query ``j``'s own node."""
         topo = tree.topology
         slots = plan.kv_indices.numpy().astype(np.int64)
-        lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
-        lut[tree.kv_indices] = np.arange(tree.kv_indices.size)
-        tok = lut[slots]
-        # unique slots <=> the table maps every token back to itself (no sort needed)
-        if np.any(tok < 0) or not np.array_equal(lut[tree.kv_indices], np.arange(tree.kv_indices.size)):
-            raise RuntimeError("cannot build a tree mask: the plan's slots do not map to unique tokens")
-        node = np.searchsorted(tree.kv_indptr, tok, side="right") - 1
+        if plan.has_mask:
+            node = topo.order[plan.host.mask_lo]
+            pos = plan.host.mask_pos.astype(np.int64)
+        else:
+            lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
+            lut[tree.kv_indices] = np.arange(tree.kv_indices.size)
+            tok = lut[slots]
+            # unique slots <=> the table maps every token back to itself (no sort needed)
+            if np.any(tok < 0) or not np.array_equal(lut[tree.kv_indices], np.arange(tree.kv_indices.size)):
+                raise RuntimeError("cannot build a tree mask: the plan's slots do not map to unique tokens")
+            node = np.searchsorted(tree.kv_indptr, tok, side="right") - 1
+            pos = tok - tree.kv_indptr[node]
+        # the first token a step of the window hides, per node (queries of one node share it)
+        hide_from = np.full(tree.num_nodes, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(hide_from, tree.query_nodes, first_prefix)
+        hidden = np.concatenate(([0], np.cumsum(pos >= hide_from[node])))
+        start, end = plan.host.work_kv_start, plan.host.work_kv_end
+        unit_hidden = hidden[end] > hidden[start]
+        # a launch the builder flagged keeps its flag: some query sees part of its items already
+        launches = tuple(dataclasses.replace(ln, masked=bool(
+            (plan.has_mask and ln.masked) or unit_hidden[ln.work_start: ln.work_end].any()))
+            for ln in plan.launches)
+        prefix = torch.from_numpy(tree.query_prefix.astype(np.int32))
+        if plan.has_mask:
+            return dataclasses.replace(plan, query_prefix=prefix, launches=launches)
 
         def i32(a):
             return torch.from_numpy(np.asarray(a, dtype=np.int32))
 
         return dataclasses.replace(
-            plan, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]),
-            mask_pos=i32(tok - tree.kv_indptr[node]), query_pos=i32(topo.tin[tree.query_nodes]),
-            query_prefix=prefix)
+            plan, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]), mask_pos=i32(pos),
+            query_pos=i32(topo.tin[tree.query_nodes]), query_prefix=prefix, launches=launches)
 
     def _to_device(self, plan: Plan) -> Plan:
         if self.device.type == "cpu":
