@@ -318,7 +318,8 @@ def test_triton_decode_windows_match_transformers(tiny, strategy):
     queries saw their items whole at planning time (a per-launch mask flag once skipped them: 0.09
     off)."""
     hf, path = tiny
-    m = TreeModel.from_pretrained(path, device="cpu", dtype=torch.float32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = TreeModel.from_pretrained(path, device=dev, dtype=torch.float32)
     eng = TreeEngine(m, strategy=strategy, page_size=16, kv_tokens=2048, backend="triton")
     ctl = SamplingController([list(range(10, 47)), [7, 8, 9]], n=2, sampler=Sampler(seed=3), max_new_tokens=24,
                              callbacks=periodic_branching(8, 2, 8))
