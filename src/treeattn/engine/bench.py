@@ -197,6 +197,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         "isolated_gap": (mean - gpu) / mean if lat and parts else float("nan"),
         "breakdown_pure": all(p["pure"] for p in parts),
         "strategies_used": used, "cuda_graphs": graphs,
+        "tuning": engine.planner.tuner.summary() if engine.planner.tuner is not None else None,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
         "leaked_pages": int(leaked), "wall_s": wall_s,
     }
