@@ -143,11 +143,12 @@ def test_without_a_tuner_plans_are_unchanged():
 
 def test_engine_times_trial_steps_and_keeps_the_fastest_arm():
     """The engine's attention events reach the tuner's probe: with a clock that charges each
-    strategy a fixed time per layer, every decided shape keeps its cheapest arm."""
-    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=4096, page_size=4, window=4, tune=True)
+    strategy a fixed time per layer, every decided shape keeps its cheapest arm. Trial plans end
+    their decode windows after the tuner's ``window`` steps."""
+    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=4096, page_size=4, window=8, tune=True)
     clock = FakeClock()
     us = {"sequence": 10.0, "node": 40.0, "node_chunk": 20.0, "flatten": 30.0, "pack": 25.0, "greedy": 35.0}
-    eng.planner.tuner = StrategyTuner(timer=clock, margin=10.0, samples=1)
+    eng.planner.tuner = StrategyTuner(timer=clock, margin=10.0, samples=1, window=2)
     run = eng.attention.run
 
     def timed(q, k, v, plan, **kw):
@@ -159,7 +160,7 @@ def test_engine_times_trial_steps_and_keeps_the_fastest_arm():
                                callbacks=periodic_branching(4, 2, 8)))
     summary = eng.planner.tuner.summary()
     decided = [k for k in summary["keys"].values() if k["winner"] is not None]
-    assert decided and summary["measured_steps"] > 0
+    assert decided and 0 < summary["measured_steps"] <= 2 * summary["trial_plans"]
     for k in decided:
         assert k["winner"] == min(k["arms"], key=us.get)
         assert k["measured_us_per_layer"] == pytest.approx({a: us[a] for a in k["arms"]})

@@ -273,7 +273,8 @@ class TreeEngine:
             if h > 1:
                 self.planner.set_prefix(plan, np.asarray(own))
             plan_ms = self.planner.last_ms
-            w = self._win = _Window(tuple(nodes), plan, h, own, dtree.num_tokens)
+            w = self._win = _Window(tuple(nodes), plan, self.planner.window_steps(plan, h), own,
+                                    dtree.num_tokens)
         w.left -= 1
         w.expect = [o + 1 for o in own]
         logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens)

@@ -119,6 +119,11 @@ class StepPlanner:
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
 
+    def window_steps(self, plan: Plan, steps: int) -> int:
+        """Steps of a decode window of ``steps`` that ``plan`` runs: fewer for a trial plan of the
+        tuner (:meth:`StrategyTuner.steps`)."""
+        return self.tuner.steps(plan, steps) if self.tuner is not None else steps
+
     def probe(self, plan: Plan, num_layers: int):
         """``probe(event, layer)`` for the attention events of a step that runs ``plan`` when the
         tuner times it (a trial plan), else None."""

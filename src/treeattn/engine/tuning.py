@@ -10,9 +10,10 @@ attention of a few layers in every step of a trial plan on the device; once each
 ``samples`` measured plans, the one with the lowest mean per-layer time is the key's strategy from
 then on (a bounded memo of keys, so that a key seen again is not tried again).
 
-Arms take turns in a serpentine order (A B C C B A A B C ...): with an even ``samples`` a tree
-that grows linearly over the trial gives every arm the same mean size. A plan's sample is the
-median over the steps it ran (a decode window runs several), which drops one-off stalls.
+Arms take turns in a serpentine order (A B C C B A A B C ...), and a trial plan ends its decode
+window after ``window`` steps, so that a trial takes a few dozen steps. With an even ``samples``, a
+tree that grows linearly over the trial gives every arm the same mean size. A plan's sample is the
+median over the steps it ran, which drops one-off stalls.
 
 Nothing waits for the device: CUDA events are read only once ``query()`` says they completed,
 when later plans are made.
@@ -117,6 +118,9 @@ class StrategyTuner:
         Try at most this many (``auto``'s own pick and the next best estimates).
     samples : int
         Measured plans each arm needs before the key decides.
+    window : int
+        Steps a trial plan runs at most (the engine ends its decode window there, so that arms
+        take turns every few steps rather than every window).
     layers : int
         Layers timed per step (spread over the model; each costs two timer marks).
     memo_size : int
@@ -124,9 +128,10 @@ class StrategyTuner:
     """
 
     def __init__(self, *, timer, margin: float = 0.15, max_arms: int = 3, samples: int = 2,
-                 layers: int = 4, memo_size: int = 64):
+                 window: int = 4, layers: int = 4, memo_size: int = 64):
         self.timer = timer
         self.margin, self.max_arms, self.samples = float(margin), int(max_arms), max(1, int(samples))
+        self.window = max(1, int(window))
         self.layers, self.memo_size = max(1, int(layers)), max(1, int(memo_size))
         self._keys: OrderedDict = OrderedDict()     # shape key -> _Trial
         self._open: _Record | None = None           # the latest trial plan (it may run again)
@@ -156,8 +161,9 @@ class StrategyTuner:
         seconds)``, best first): its near-best ones become the key's arms, ``chosen`` first, and
         this plan is ``chosen``'s first trial. Returns a note for the plan's reason ("" when there
         is nothing to try)."""
-        best = candidates[0][1] if candidates else 0.0
-        est = dict(candidates)
+        if not candidates:
+            return ""
+        best, est = candidates[0][1], dict(candidates)
         arms = [chosen]
         for name, seconds in candidates:
             # planners that made the same items share one (bit-identical) estimate: one arm
@@ -180,6 +186,10 @@ class StrategyTuner:
     def _trial_note(self, trial: _Trial, arm: str) -> str:
         arms = ", ".join(f"{a} {trial.estimates[a] * 1e6:.1f}us" for a in trial.arms)
         return f"measuring auto's near-best strategies ({arms} estimated): trial of {arm}"
+
+    def steps(self, plan, steps: int) -> int:
+        """Steps of a decode window of ``steps`` that ``plan`` should run."""
+        return min(steps, self.window) if self._open is not None and self._open.plan is plan else steps
 
     # ------------------------------------------------------------------ measuring
     def probe(self, plan, num_layers: int):
