@@ -91,8 +91,8 @@ def test_run_reports_bad_inputs(tmp_path, capsys):
 def test_bench_e2e_cpu_smoke(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     assert cli(["bench", "e2e", "--random-weights", "tiny", "--device", "cpu", "--steps", "3",
-                "--windows", "1", "--breakdown-steps", "1", "--workloads", "tot-keyword,speculative-32",
-                "--json", str(out), "--png", str(png)]) == 0
+                "--windows", "1", "--breakdown-steps", "1", "--warmup-steps", "2",
+                "--workloads", "tot-keyword,speculative-32", "--json", str(out), "--png", str(png)]) == 0
     got = json.loads(out.read_text())
     assert set(got["workloads"]) == {"tot-keyword", "speculative-32"}
     for w in got["workloads"].values():
