@@ -207,7 +207,7 @@ def main():
     for ci, r in enumerate(rows):
         tree = trees.setdefault(r["tree"], tree_from_spec(r["tree"]))
         heads = HeadConfig(r["hq"], r["hkv"], HEAD_DIM)
-        name, _, _ = plan_auto(tree, heads, cm, PLANNERS)
+        name, *_ = plan_auto(tree, heads, cm, PLANNERS)
         after.append(name)
         for s in STRATEGIES:
             items, _ = PLANNERS[s](tree, heads, cm)

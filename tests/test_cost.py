@@ -90,14 +90,14 @@ def test_auto_avoids_clearly_slower_strategies():
     # latency-bound as one program per KV head (node: 144 us) and ~2.7x faster when split
     tree = tree_from_spec("1,10_4000,400")
     heads = HeadConfig(32, 32, 128)
-    name, _, _ = plan_auto(tree, heads, CostModel(), PLANNERS)
+    name, *_ = plan_auto(tree, heads, CostModel(), PLANNERS)
     assert name != "node"
     items = {s: p(tree, heads, CostModel())[0] for s, p in PLANNERS.items()}
     t = {s: estimate_items(tree, it, heads, CostModel())["total"] for s, it in items.items()}
     assert t["node"] > 2 * t[name]
     # 1024 queries sharing a 2048-token prefix: sequence re-reads it per query (15x slower)
     tree = tree_from_spec("1,1024_2048,32")
-    name, _, _ = plan_auto(tree, HeadConfig(32, 32, 128), CostModel(), PLANNERS)
+    name, *_ = plan_auto(tree, HeadConfig(32, 32, 128), CostModel(), PLANNERS)
     assert name in ("node", "greedy")
     # deep tree with short leaves and 32/8 heads: greedy measured 1.46x faster than flatten
     tree = tree_from_spec("1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
@@ -111,9 +111,9 @@ def test_auto_prefers_fewer_kernels_among_close_estimates():
     est = {s: estimate_items(tree, p(tree, H200_HEADS, CostModel())[0], H200_HEADS, CostModel())
            for s, p in PLANNERS.items()}
     kernels = {s: e["launches"] + (e["merge"] > 0) for s, e in est.items()}
-    exact, _, _ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=0.0), PLANNERS)
+    exact, *_ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=0.0), PLANNERS)
     assert est[exact]["total"] == min(e["total"] for e in est.values())
-    loose, _, why = plan_auto(tree, H200_HEADS, CostModel(choice_margin=100.0), PLANNERS)
+    loose, _, why, _ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=100.0), PLANNERS)
     assert kernels[loose] == min(kernels.values())
     assert loose == exact or "fewest kernels within" in why
 

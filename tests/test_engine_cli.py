@@ -91,8 +91,8 @@ def test_run_reports_bad_inputs(tmp_path, capsys):
 def test_bench_e2e_cpu_smoke(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     assert cli(["bench", "e2e", "--random-weights", "tiny", "--device", "cpu", "--steps", "3",
-                "--windows", "1", "--breakdown-steps", "1", "--workloads", "tot-keyword,speculative-32",
-                "--json", str(out), "--png", str(png)]) == 0
+                "--windows", "1", "--breakdown-steps", "1", "--warmup-steps", "2",
+                "--workloads", "tot-keyword,speculative-32", "--json", str(out), "--png", str(png)]) == 0
     got = json.loads(out.read_text())
     assert set(got["workloads"]) == {"tot-keyword", "speculative-32"}
     for w in got["workloads"].values():
@@ -103,6 +103,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             # the GPU's (here: the host clock's) idle time between steps is part of each latency
             assert 0 <= r["host_overhead"] < 1 and 0 <= r["idle_ms"] <= r["busy_step_ms"] + r["idle_ms"]
             assert r["busy_step_ms"] <= r["mean_step_ms"] + 1e-9
+            assert r["tuning"] is None      # measured auto: on CUDA only
     assert png.stat().st_size > 10_000
 
 
@@ -115,6 +116,10 @@ def test_bench_e2e_cuda_smoke(tmp_path):
         for r in w["strategies"].values():
             assert r["cuda_graphs"] and r["leaked_pages"] == 0 and r["gpu_step_ms"] > 0
             assert 0 < r["breakdown_ms"]["attention"] < r["gpu_step_ms"]
+            if r["strategy"] == "auto":     # measured auto is on by default on CUDA
+                assert set(r["tuning"]) == {"decisions", "trial_plans", "measured_steps", "keys"}
+            else:
+                assert r["tuning"] is None
 
 
 def test_demo_runs_a_tree_of_thoughts(capsys):

@@ -3,8 +3,9 @@ strategies in the same run, on one model.
 
 Each workload is replayed in full, but only a few *windows* of consecutive steps run the model
 (the others only do the tree / KV bookkeeping: their KV slots are allocated but not written, which
-does not change the timing of later steps). Per window: one warm-up step, ``steps / windows``
-timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
+does not change the timing of later steps). Per window: ``warmup_steps`` warm-up steps (one by
+default; ``auto``'s measured tuning, :mod:`treeattn.engine.tuning`, needs a few dozen to settle
+on the strategy of the window's tree shape before it is timed), ``steps / windows`` timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
 between CUDA events recorded after each step), then a few *breakdown* steps, each run in isolation
 after a GPU sleep long enough for the host to enqueue the whole step first, so their CUDA events
 measure pure GPU time: attention (events around every layer's attention call, summed) and the rest.
@@ -53,22 +54,22 @@ def _spec(name: str, vocab: int, seed: int) -> WorkloadSpec:
     return WorkloadSpec(name, vocab_size=vocab, seed=seed)
 
 
-def _schedule(total: int, steps: int, windows: int, breakdown: int) -> dict:
+def _schedule(total: int, steps: int, windows: int, breakdown: int, warmup: int = 1) -> dict:
     """step -> "warm" | "timed" | "breakdown" for the steps that run the model."""
     windows = max(1, min(windows, steps))
     per = math.ceil(steps / windows)
-    block = 1 + per + breakdown
+    block = warmup + per + breakdown
     if total <= windows * block:
         starts, windows = [0], 1
-        per = max(1, min(steps, total - 1 - breakdown))
-        block = 1 + per + breakdown
+        per = max(1, min(steps, total - warmup - breakdown))
+        block = warmup + per + breakdown
     else:
         starts = np.linspace(0, total - block, windows).round().astype(int).tolist()
     kinds = {}
     for s in starts:
-        kinds[s] = "warm"
-        kinds.update({s + 1 + i: "timed" for i in range(per)})
-        kinds.update({s + 1 + per + i: "breakdown" for i in range(breakdown)})
+        kinds.update({s + i: "warm" for i in range(warmup)})
+        kinds.update({s + warmup + i: "timed" for i in range(per)})
+        kinds.update({s + warmup + per + i: "breakdown" for i in range(breakdown)})
     return kinds
 
 
@@ -107,12 +108,13 @@ def _sleep_cycles(device: torch.device, ms: float) -> int:
 
 
 def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows: int = 5,
-                   breakdown_steps: int = 2, seed: int = 0, sleep_ms: float = 60.0, **engine_kw) -> dict:
+                   breakdown_steps: int = 2, warmup_steps: int = 1, seed: int = 0, sleep_ms: float = 60.0,
+                   **engine_kw) -> dict:
     """Benchmark one workload (a :data:`BENCH_WORKLOADS` name or a :data:`WORKLOADS` name) with one
     strategy; see the module docstring. Returns a JSON-able dict of latencies (ms)."""
     engine = TreeEngine(model, strategy=strategy, **engine_kw)
     ctl, total = build_workload(_spec(name, model.config.vocab_size, seed))
-    kinds = _schedule(total, steps, windows, breakdown_steps)
+    kinds = _schedule(total, steps, windows, breakdown_steps, max(1, int(warmup_steps)))
     clock = _Clock(engine.device)
     cycles = _sleep_cycles(engine.device, sleep_ms)
     marks, parts, state, begins = [], [], {}, {}
@@ -197,6 +199,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         "isolated_gap": (mean - gpu) / mean if lat and parts else float("nan"),
         "breakdown_pure": all(p["pure"] for p in parts),
         "strategies_used": used, "cuda_graphs": graphs,
+        "tuning": engine.planner.tuner.summary() if engine.planner.tuner is not None else None,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
         "leaked_pages": int(leaked), "wall_s": wall_s,
     }

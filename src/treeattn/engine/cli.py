@@ -39,6 +39,8 @@ def add_model_args(p, default_random=None) -> None:
     p.add_argument("--kv-tokens", type=int, default=65536, help="KV pool capacity in tokens")
     p.add_argument("--window", type=int, default=16, help="decode steps planned at once (1: every step)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode forward eagerly")
+    p.add_argument("--no-tune", action="store_true",
+                   help="auto: take the cost model's pick instead of timing its near-best strategies")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
 
@@ -88,6 +90,8 @@ def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, default=5, help="places in each workload the timed steps sit")
     p.add_argument("--breakdown-steps", type=int, default=2,
                    help="isolated steps per window for the breakdown")
+    p.add_argument("--warmup-steps", type=int, default=1,
+                   help="untimed steps before each window (auto's measured tuning settles in a few dozen)")
     p.add_argument("--json", metavar="OUT", default=None)
     p.add_argument("--png", metavar="OUT", default=None)
     p.set_defaults(func=bench_command)
@@ -118,7 +122,7 @@ def load_model(args) -> TreeModel:
 
 def _engine_kw(args) -> dict:
     return {"page_size": args.page_size, "kv_tokens": args.kv_tokens, "window": args.window,
-            "cuda_graphs": False if args.no_cuda_graphs else None}
+            "cuda_graphs": False if args.no_cuda_graphs else None, "tune": False if args.no_tune else None}
 
 
 def _init_ranks(args) -> tuple[int, int]:
@@ -278,8 +282,8 @@ def bench_command(args) -> int:
 
     try:
         result = bench_e2e(model, workloads, strategies, steps=args.steps, windows=args.windows,
-                           breakdown_steps=args.breakdown_steps, seed=args.seed, progress=progress,
-                           **_engine_kw(args))
+                           breakdown_steps=args.breakdown_steps, warmup_steps=args.warmup_steps,
+                           seed=args.seed, progress=progress, **_engine_kw(args))
     except (ValueError, FileNotFoundError) as e:
         return _fail("bench e2e", e)
     if model.device.type == "cuda":
@@ -289,7 +293,7 @@ def bench_command(args) -> int:
     else:
         result.update(device="cpu", torch=torch.__version__)
     result.update(model=args.model or f"random:{args.random_weights}", dtype=str(model.dtype)[6:],
-                  steps=args.steps, windows=args.windows)
+                  steps=args.steps, windows=args.windows, warmup_steps=args.warmup_steps)
     table = Table("workload", *(f"{s} ms" for s in strategies), "speedup", "DeFT", "met", "gpu speedup",
                   "host overhead")
     for name, w in result["workloads"].items():

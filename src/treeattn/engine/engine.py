@@ -21,6 +21,7 @@ from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.tree_manager import SequenceTree
+from treeattn.engine.tuning import EventTimer, HostTimer, StrategyTuner
 from treeattn.ops import precompile
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ class TreeEngine:
         of leaves); 1 plans every step.
     auto_refresh : int
         See :class:`~treeattn.engine.planning.StepPlanner`.
+    tune : bool, optional
+        With ``strategy="auto"``, time the cost model's near-best strategies on the device and keep
+        the fastest per tree shape (:mod:`treeattn.engine.tuning`; default: on CUDA). Off: the
+        cost model's estimate decides.
     synchronize : bool
         Wait for the device after every step (accurate per-step wall times, no overlap).
     keep_reserved : bool
@@ -92,7 +97,8 @@ class TreeEngine:
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
-                 auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False):
+                 auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
+                 tune: bool | None = None):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -101,8 +107,12 @@ class TreeEngine:
         self.tree = SequenceTree(self.kv)
         self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
         self.strategy = strategy
+        tuner = None
+        if strategy == "auto" and (model.device.type == "cuda" if tune is None else tune):
+            tuner = StrategyTuner(timer=EventTimer() if model.device.type == "cuda" else HostTimer())
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
-                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh)
+                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh,
+                                   tuner=tuner)
         self.backend = backend
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued
@@ -121,6 +131,7 @@ class TreeEngine:
         #: profiling hook ``hook(event, layer)``, event in forward_begin / attn_begin / attn_end /
         #: forward_end (layer -1 for the forward events); called where the work is enqueued
         self.hook = None
+        self._probe = None      # the tuner's timer of this step's attention (trial plans only)
         self.stats: list[StepStats] = []
         self._logits: dict[int, tuple] = {}
         self._win: _Window | None = None
@@ -262,7 +273,8 @@ class TreeEngine:
             if h > 1:
                 self.planner.set_prefix(plan, np.asarray(own))
             plan_ms = self.planner.last_ms
-            w = self._win = _Window(tuple(nodes), plan, h, own, dtree.num_tokens)
+            w = self._win = _Window(tuple(nodes), plan, self.planner.window_steps(plan, h), own,
+                                    dtree.num_tokens)
         w.left -= 1
         w.expect = [o + 1 for o in own]
         logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens)
@@ -346,7 +358,9 @@ class TreeEngine:
         n = len(pos)
         if self.compute:
             self._fire("forward_begin")
+            self._probe = self.planner.probe(plan, self.model.config.num_layers)
             logits = self._run_model(tokens, pos, slots, plan)
+            self._probe = None
             self._fire("forward_end")
             if self.synchronize and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -376,6 +390,8 @@ class TreeEngine:
     def _fire(self, event: str, layer: int = -1) -> None:
         if self.hook is not None:
             self.hook(event, layer)
+        if self._probe is not None:
+            self._probe(event, layer)
 
     def _run_model(self, tokens, pos, slots, plan) -> torch.Tensor:
         self._ensure_workspace(plan)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
+from treeattn.engine.tuning import StrategyTuner
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -50,15 +51,20 @@ class StepPlanner:
         With ``strategy="auto"``, the concrete strategy auto picks is reused for up to this many
         plans while the tree's nodes, queries, KV tokens and sharing (tokens read by all queries
         over distinct tokens) stay within the same powers of two (1: decide every plan).
+    tuner : treeattn.engine.tuning.StrategyTuner, optional
+        With ``strategy="auto"``: time auto's near-best strategies for each shape key and keep
+        the fastest (the caller runs :meth:`probe` on every step). Without one, auto's estimate
+        decides.
     """
 
     def __init__(self, heads: HeadConfig, *, strategy: str, device, cost: CostModel | None = None,
-                 auto_refresh: int = 32):
+                 auto_refresh: int = 32, tuner: StrategyTuner | None = None):
         self.heads = heads
         self.strategy = strategy
         self.device = torch.device(device)
         self.cost = cost or CostModel()
         self.auto_refresh = max(1, int(auto_refresh))
+        self.tuner = tuner if strategy == "auto" else None
         self._auto: tuple | None = None       # (shape key, chosen strategy, plans left)
         self.last_ms = 0.0
         self.last_reason = ""
@@ -73,14 +79,19 @@ class StepPlanner:
         return (int(tree.num_nodes).bit_length(), int(tree.num_queries).bit_length(),
                 int(tree.num_tokens).bit_length(), sharing.bit_length())
 
-    def _choose(self, tree: DecodingTree) -> str:
-        if self.strategy != "auto":
-            return self.strategy
-        key = self._shape_key(tree)
+    def _choose(self, key: tuple | None) -> tuple:
+        """``(strategy, note, trial)``: the strategy to plan with, a note for the plan's reason and
+        whether the plan is a trial of the tuner."""
+        if key is None:
+            return self.strategy, "", False
+        if self.tuner is not None:
+            strategy, note, trial = self.tuner.choose(key)
+            if strategy is not None:
+                return strategy, note, trial
         if self._auto is not None and self._auto[0] == key and self._auto[2] > 0:
             self._auto = (key, self._auto[1], self._auto[2] - 1)
-            return self._auto[1]
-        return "auto"
+            return self._auto[1], "", False
+        return "auto", "", False
 
     def plan(self, tree: DecodingTree, *, first_prefix: np.ndarray | None = None) -> Plan:
         """Plan ``tree`` and move the plan to the device.
@@ -91,16 +102,34 @@ class StepPlanner:
         :meth:`set_prefix` rewrites (decode windows).
         """
         t0 = time.perf_counter()
-        strategy = self._choose(tree)
+        key = self._shape_key(tree) if self.strategy == "auto" else None
+        strategy, note, trial = self._choose(key)
         plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
         if strategy == "auto":
-            self._auto = (self._shape_key(tree), plan.strategy, self.auto_refresh - 1)
+            self._auto = (key, plan.strategy, self.auto_refresh - 1)
+            if self.tuner is not None:
+                note = self.tuner.start(key, plan.strategy, plan.candidates)
+                trial = bool(note)
+        if note:
+            plan = dataclasses.replace(plan, reason=f"{note}; {plan.reason}")
         self.last_reason = plan.reason
         if first_prefix is not None:
             plan = self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
         plan = self._to_device(plan)
+        if trial:
+            self.tuner.track(key, plan.strategy, plan)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
+
+    def window_steps(self, plan: Plan, steps: int) -> int:
+        """Steps of a decode window of ``steps`` that ``plan`` runs: fewer for a trial plan of the
+        tuner (:meth:`StrategyTuner.steps`)."""
+        return self.tuner.steps(plan, steps) if self.tuner is not None else steps
+
+    def probe(self, plan: Plan, num_layers: int):
+        """``probe(event, layer)`` for the attention events of a step that runs ``plan`` when the
+        tuner times it (a trial plan), else None."""
+        return self.tuner.probe(plan, num_layers) if self.tuner is not None else None
 
     def set_prefix(self, plan: Plan, prefix: np.ndarray) -> None:
         """Let query ``j`` of ``plan`` see ``prefix[j]`` tokens of its own node (no host sync)."""

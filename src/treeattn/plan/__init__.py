@@ -32,9 +32,9 @@ def make_plan(tree: DecodingTree, heads: HeadConfig, *, strategy: str = "auto", 
         raise TypeError(f"tree must be a DecodingTree, got {type(tree).__name__}")
     cost = cost or CostModel()
     if strategy == "auto":
-        name, items, reason = plan_auto(tree, heads, cost, PLANNERS)
+        name, items, reason, ranked = plan_auto(tree, heads, cost, PLANNERS)
         return build_plan(tree, items, heads, strategy=name, device=device, reason=reason,
-                          requested_strategy="auto")
+                          requested_strategy="auto", candidates=ranked)
     if strategy not in PLANNERS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     items, reason = PLANNERS[strategy](tree, heads, cost)

@@ -45,8 +45,9 @@ def _same_estimate_inputs(a: WorkItems, b: WorkItems) -> bool:
 
 
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
-              ) -> tuple[str, WorkItems, str]:
-    """Returns ``(chosen strategy, its items, reason)``."""
+              ) -> tuple[str, WorkItems, str, tuple]:
+    """Returns ``(chosen strategy, its items, reason, candidates)``: ``candidates`` are
+    ``(strategy, estimated seconds)`` of every planner, best estimate first."""
     scored = []
     tokens = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
     for name, planner in planners.items():
@@ -64,7 +65,8 @@ def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: 
            f"{est['merge'] * 1e6:.1f}us")
     if name != scored[0][1]:
         why += f"; fewest kernels within {cost.choice_margin:.0%} of the best estimate"
-    return name, items, f"auto chose {name} ({why}; cost model estimates: {table}); {note}"
+    ranked = tuple((n, s) for s, n, _, _, _ in scored)
+    return name, items, f"auto chose {name} ({why}; cost model estimates: {table}); {note}", ranked
 
 
 def _kernels(est: dict) -> int:

@@ -179,6 +179,9 @@ class Plan:
         DeFT's bit causal mask in O(1) words per token for any number of queries.
     query_pos, query_prefix : int32 [Q] or None
     launches : tuple of Launch
+    candidates : tuple of (str, float)
+        ``auto`` plans: every strategy with the cost model's estimate in seconds, best first
+        (the engine times the near-best ones); empty for other plans.
     """
 
     strategy: str
@@ -207,6 +210,7 @@ class Plan:
     num_items: int
     reason: str = ""
     host: PlanHost | None = None
+    candidates: tuple = ()
 
     @property
     def num_rows(self) -> int:
@@ -345,7 +349,8 @@ def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.n
 
 
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
-               device="cpu", reason: str = "", requested_strategy: str | None = None) -> Plan:
+               device="cpu", reason: str = "", requested_strategy: str | None = None,
+               candidates: tuple = ()) -> Plan:
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
@@ -467,6 +472,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
+        candidates=candidates,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node, mask_lo=h.get("mask_lo"),
                       mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),

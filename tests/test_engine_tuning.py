@@ -1,0 +1,173 @@
+"""Measured ``auto`` in the engine (:mod:`treeattn.engine.tuning`): the planner tries auto's
+near-best strategies, times them with an injected clock and keeps the fastest."""
+import numpy as np
+import pytest
+import torch
+
+from treeattn import DecodingTree, HeadConfig, make_plan
+from treeattn.engine import Sampler, SamplingController, TreeEngine, TreeModel
+from treeattn.engine.controller import periodic_branching
+from treeattn.engine.planning import StepPlanner
+from treeattn.engine.tuning import HostTimer, StrategyTuner
+from treeattn.plan import PLANNERS
+from treeattn.workloads import tree_from_medusa
+
+HEADS = HeadConfig(32, 8, 128, torch.bfloat16)
+#: node_chunk, pack and greedy within 15% of the best estimate; sequence 23% behind
+THREE_ARMS = DecodingTree.from_parents([-1] + [0] * 16, [1000] + [60] * 16)
+#: sequence alone within 15% (pack is 65% behind)
+ONE_ARM = tree_from_medusa(32, context_len=90)
+LAYERS = 4
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class FakeClock:
+    """A device clock the test advances; ``ready=False`` holds its timings back (not completed)."""
+
+    def __init__(self):
+        self.now, self.ready = 0.0, True
+
+    def mark(self):
+        return self.now
+
+    def elapsed(self, start, end):
+        return end - start if self.ready else None
+
+
+def run_step(planner, plan, clock, us):
+    """What the engine does for one step: attention of every layer, ``us[strategy]`` each, with
+    the tuner's probe around it."""
+    probe = planner.probe(plan, LAYERS)
+    for layer in range(LAYERS):
+        if probe is not None:
+            probe("attn_begin", layer)
+        clock.now += us[plan.strategy] * 1e-6
+        if probe is not None:
+            probe("attn_end", layer)
+
+
+def tuned_planner(clock, **kw):
+    return StepPlanner(HEADS, strategy="auto", device="cpu", tuner=StrategyTuner(timer=clock, **kw))
+
+
+def test_auto_plans_carry_the_ranked_candidates():
+    plan = make_plan(THREE_ARMS, HEADS, strategy="auto")
+    names = [n for n, _ in plan.candidates]
+    est = [s for _, s in plan.candidates]
+    assert sorted(names) == sorted(PLANNERS) and est == sorted(est)
+    assert plan.strategy == names[0] == "node_chunk"
+    assert make_plan(THREE_ARMS, HEADS, strategy="sequence").candidates == ()
+
+
+def test_tuner_tries_the_near_best_arms_then_keeps_the_measured_fastest():
+    clock, us = FakeClock(), {"node_chunk": 20.0, "pack": 30.0, "greedy": 10.0}
+    planner = tuned_planner(clock)
+    used = []
+    for i in range(9):
+        plan = planner.plan(THREE_ARMS)
+        used.append(plan.strategy)
+        if i == 0:
+            assert plan.requested_strategy == "auto" and "measuring auto's near-best" in plan.reason
+        run_step(planner, plan, clock, us)
+    # serpentine turns (auto's pick first), two measured plans each, then the fastest
+    assert used == ["node_chunk", "pack", "greedy", "greedy", "pack", "node_chunk"] + ["greedy"] * 3
+    assert planner.last_reason.startswith(
+        "measured: greedy 10.0us/layer, node_chunk 20.0us/layer, pack 30.0us/layer")
+    assert "measured: greedy" in plan.explain()
+    t = planner.tuner
+    assert t.trial_plans == 6 and t.decisions == 1 and planner.probe(plan, LAYERS) is None
+    summary = next(iter(t.summary()["keys"].values()))
+    assert summary["winner"] == "greedy" and summary["samples"] == {a: 2 for a in us}
+    assert summary["measured_us_per_layer"] == pytest.approx(us)
+
+
+def test_measured_winner_is_remembered_per_shape():
+    clock = FakeClock()
+    us = dict.fromkeys(PLANNERS, 50.0) | {"node_chunk": 20.0, "pack": 30.0, "greedy": 10.0, "sequence": 5.0}
+    planner = tuned_planner(clock, samples=1)
+    planner.auto_refresh = 2
+    for _ in range(4):
+        run_step(planner, planner.plan(THREE_ARMS), clock, us)
+    assert planner.tuner.decisions == 1
+    other = planner.plan(ONE_ARM)       # another shape in between, then back: no new trial
+    assert other.strategy == "sequence"
+    for _ in range(5):                  # and none after auto_refresh plans either
+        plan = planner.plan(THREE_ARMS)
+        assert plan.strategy == "greedy" and plan.reason.startswith("measured")
+        run_step(planner, plan, clock, us)
+    assert planner.tuner.trial_plans == 3
+    small = tuned_planner(clock, samples=1, memo_size=1)    # a one-key memo forgets the first
+    for tree in (THREE_ARMS, THREE_ARMS, tree_from_medusa(32, context_len=2800)):
+        run_step(small, small.plan(tree), clock, us)
+    assert small.plan(THREE_ARMS).requested_strategy == "auto"
+
+
+def test_timings_are_read_only_once_completed():
+    clock, us = FakeClock(), {"node_chunk": 20.0, "pack": 30.0, "greedy": 10.0}
+    clock.ready = False
+    planner = tuned_planner(clock, max_arms=2)
+    used = []
+    for _ in range(8):
+        plan = planner.plan(THREE_ARMS)
+        used.append(plan.strategy)
+        run_step(planner, plan, clock, us)
+    assert used == ["node_chunk", "pack", "pack", "node_chunk"] * 2   # still trying
+    assert planner.tuner.decisions == 0
+    clock.ready = True
+    assert planner.plan(THREE_ARMS).strategy == "node_chunk"
+    assert planner.tuner.summary()["keys"].popitem()[1]["samples"] == {"node_chunk": 2, "pack": 2}
+
+
+def test_no_trial_with_a_single_near_best_candidate():
+    clock = FakeClock()
+    planner = tuned_planner(clock)
+    for _ in range(3):
+        plan = planner.plan(ONE_ARM)
+        assert plan.strategy == "sequence" and "measur" not in plan.reason
+        assert planner.probe(plan, LAYERS) is None
+    assert planner.tuner.trial_plans == 0 and planner.tuner.summary()["keys"] == {}
+
+
+def test_without_a_tuner_plans_are_unchanged():
+    """tune off (the CPU default): the same plans as a planner without a tuner, reused likewise."""
+    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=256)
+    assert eng.planner.tuner is None
+    assert TreeEngine(TreeModel.random("tiny"), kv_tokens=256, strategy="sequence", tune=True).planner.tuner is None
+    plain = StepPlanner(HEADS, strategy="auto", device="cpu")
+    got = [plain.plan(t) for t in (THREE_ARMS, THREE_ARMS, ONE_ARM, THREE_ARMS)]
+    assert [p.requested_strategy for p in got] == ["auto", "node_chunk", "auto", "auto"]
+    assert [p.strategy for p in got] == ["node_chunk", "node_chunk", "sequence", "node_chunk"]
+    assert got[0].reason == make_plan(THREE_ARMS, HEADS).reason
+    assert plain.probe(got[0], LAYERS) is None
+
+def test_engine_times_trial_steps_and_keeps_the_fastest_arm():
+    """The engine's attention events reach the tuner's probe: with a clock that charges each
+    strategy a fixed time per layer, every decided shape keeps its cheapest arm. Trial plans end
+    their decode windows after the tuner's ``window`` steps."""
+    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=4096, page_size=4, window=8, tune=True)
+    clock = FakeClock()
+    us = {"sequence": 10.0, "node": 40.0, "node_chunk": 20.0, "flatten": 30.0, "pack": 25.0, "greedy": 35.0}
+    eng.planner.tuner = StrategyTuner(timer=clock, margin=10.0, samples=1, window=2)
+    run = eng.attention.run
+
+    def timed(q, k, v, plan, **kw):
+        clock.now += us[plan.strategy] * 1e-6
+        return run(q, k, v, plan, **kw)
+
+    eng.attention.run = timed
+    eng.run(SamplingController([list(range(3, 40))], n=2, sampler=Sampler(seed=0), max_new_tokens=40,
+                               callbacks=periodic_branching(4, 2, 8)))
+    summary = eng.planner.tuner.summary()
+    decided = [k for k in summary["keys"].values() if k["winner"] is not None]
+    assert decided and 0 < summary["measured_steps"] <= 2 * summary["trial_plans"]
+    for k in decided:
+        assert k["winner"] == min(k["arms"], key=us.get)
+        assert k["measured_us_per_layer"] == pytest.approx({a: us[a] for a in k["arms"]})
+    assert len({s.strategy for s in eng.stats if s.kind == "decode"}) > 1
+
+
+def test_host_timer_measures_seconds():
+    t = HostTimer()
+    a = t.mark()
+    assert 0.0 <= t.elapsed(a, t.mark()) < 1.0 and np.isfinite(t.elapsed(a, a))
