@@ -84,10 +84,11 @@ class TreeEngine:
         of leaves); 1 plans every step.
     auto_refresh : int
         See :class:`~treeattn.engine.planning.StepPlanner`.
-    tune : bool, optional
+    tune : bool
         With ``strategy="auto"``, time the cost model's near-best strategies on the device and keep
-        the fastest per tree shape (:mod:`treeattn.engine.tuning`; default: on CUDA). Off: the
-        cost model's estimate decides.
+        the fastest per tree shape (:mod:`treeattn.engine.tuning`). Off (default): the cost
+        model's estimate decides. Measured neutral on ``bench e2e`` (H200, benchmarks/NOTES.md
+        session 8), whose short windows rarely let a trial finish.
     synchronize : bool
         Wait for the device after every step (accurate per-step wall times, no overlap).
     keep_reserved : bool
@@ -98,7 +99,7 @@ class TreeEngine:
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool | None = None):
+                 tune: bool = False):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -108,7 +109,7 @@ class TreeEngine:
         self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
         self.strategy = strategy
         tuner = None
-        if strategy == "auto" and (model.device.type == "cuda" if tune is None else tune):
+        if strategy == "auto" and tune:
             tuner = StrategyTuner(timer=EventTimer() if model.device.type == "cuda" else HostTimer())
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh,
