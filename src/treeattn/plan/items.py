@@ -64,6 +64,12 @@ class WorkItems:
         """int64 [num_items]: queries of each item."""
         return self.q_indptr[1:] - self.q_indptr[:-1]
 
+    @functools.cached_property
+    def estimates(self) -> dict:
+        """Cost-model estimates of these items by ``(tree, heads, cost)``
+        (:func:`treeattn.plan.auto.estimate_items` fills it)."""
+        return {}
+
     def take(self, keep: np.ndarray) -> "WorkItems":
         """The items selected by index array ``keep`` (in that order)."""
         if keep.size == self.num_items and (keep == np.arange(keep.size)).all():
