@@ -116,8 +116,13 @@ class PlanHost:
         Every planned entry that is the last token of its node.
     tail_node : intp [n_tails]
         The node of each.
-    mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
-        The tree mask on the host (plans with a tree mask).
+    seg_len : int64 [S] or None
+        Entries of each segment (a run of one node's tokens) of the KV list, in order.
+    seg_lo, seg_tin, seg_tout : int32 [S] or None
+        Position in its node of each segment's first entry, and its node's pre-order range: the
+        tree mask by segment, from which updates rebuild it. All four are None without a mask.
+    tail_seg : intp [n_tails] or None
+        The segment ending at each tail (plans with a tree mask).
     work_kv_start, work_kv_end : int32 [W]
     start_tails, end_tails : intp [W]
         Tails before each work unit's start and end (``tail_pos < work_kv_start``); fixed for
@@ -135,9 +140,11 @@ class PlanHost:
     kv_slots: np.ndarray
     tail_pos: np.ndarray
     tail_node: np.ndarray
-    mask_lo: np.ndarray | None
-    mask_hi: np.ndarray | None
-    mask_pos: np.ndarray | None
+    seg_len: np.ndarray | None
+    seg_lo: np.ndarray | None
+    seg_tin: np.ndarray | None
+    seg_tout: np.ndarray | None
+    tail_seg: np.ndarray | None
     work_kv_start: np.ndarray
     work_kv_end: np.ndarray
     start_tails: np.ndarray
@@ -330,7 +337,7 @@ def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, tota
     """int32 [total]: position in its node of every entry of segments of ``seg_len`` entries,
     ``seg_lo`` the first's and ``seg_kv`` where each segment's entries start."""
     pos = np.arange(total, dtype=np.int32)
-    pos -= np.repeat((seg_kv - seg_lo).astype(np.int32), seg_len)
+    pos -= np.repeat((seg_kv - seg_lo).astype(np.int32, copy=False), seg_len)
     return pos
 
 
@@ -434,11 +441,12 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
                                    masked=bool(item_masked[a])))
     # tree mask, built as int32: each entry's node range and position in its node
-    mask = [None] * 5
+    mask, seg_mask = [None] * 5, [None] * 5
     if needs_mask:
-        mask = [np.repeat(topo.tin[seg_node].astype(np.int32), seg_len),
-                np.repeat(topo.tout[seg_node].astype(np.int32), seg_len),
-                _positions(seg_lo, seg_len, seg_kv, kv_indices.size),
+        seg_mask = [seg_len, seg_lo.astype(np.int32), topo.tin[seg_node].astype(np.int32),
+                    topo.tout[seg_node].astype(np.int32), np.flatnonzero(at_tail)]
+        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
+                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size),
                 topo.tin[tree.query_nodes], tree.query_prefix]
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
@@ -475,8 +483,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
-                      tail_node=tail_node, mask_lo=h.get("mask_lo"),
-                      mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),
+                      tail_node=tail_node, seg_len=seg_mask[0], seg_lo=seg_mask[1], seg_tin=seg_mask[2],
+                      seg_tout=seg_mask[3], tail_seg=seg_mask[4],
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),
