@@ -76,32 +76,27 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
         return items
     nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
     num_others = n - num_leaves
-    groups = np.arange(0, num_leaves, k)
-    num = num_others + groups.size
-    seg_count = np.empty(num, dtype=np.int64)
-    q_count = np.empty(num, dtype=np.int64)
     seg = [items.seg_node, items.seg_lo, items.seg_hi]
     qs = [items.q_indices, items.q_tokens]
     if leaf[num_others:].all():  # the leaf items come last (tree order): nothing moves
-        seg_count[:num_others], q_count[:num_others] = nseg[:num_others], nq[:num_others]
-        leaf_nq = nq[num_others:]
+        others, leaves = slice(num_others), slice(num_others, n)
     else:  # the others first, then the leaf items (one segment each), each in order
-        others = ~leaf
-        seg_count[:num_others], q_count[:num_others] = nseg[others], nq[others]
-        leaf_nq = nq[leaf]
+        others, leaves = ~leaf, leaf
         seg_leaf = np.repeat(leaf, nseg)
         order = np.concatenate((np.flatnonzero(~seg_leaf), np.flatnonzero(seg_leaf)))
         seg = [a[order] for a in seg]
         q_leaf = np.repeat(leaf, nq)
         order = np.concatenate((np.flatnonzero(~q_leaf), np.flatnonzero(q_leaf)))
         qs = [None if a is None else a[order] for a in qs]
-    seg_count[num_others:] = k
+    groups = np.arange(0, num_leaves, k)
+    seg_count = np.append(nseg[others], np.full(groups.size, k))
     seg_count[-1] = num_leaves - groups[-1]
-    q_count[num_others:] = np.add.reduceat(leaf_nq, groups)
-    masked = np.zeros(num, dtype=bool)
+    q_count = np.append(nq[others], np.add.reduceat(nq[leaves], groups))
+    length = np.append(items.item_len[others], np.add.reduceat(items.item_len[leaves], groups))
+    masked = np.zeros(seg_count.size, dtype=bool)
     masked[num_others:] = True
     masked[-1] = seg_count[-1] > 1
-    return WorkItems(_indptr(seg_count), *seg, _indptr(q_count), *qs, masked)
+    return WorkItems(_indptr(seg_count), *seg, _indptr(q_count), *qs, masked).with_item_len(length)
 
 
 def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel
