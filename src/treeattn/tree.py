@@ -186,6 +186,8 @@ class DecodingTree:
         zero-length nodes)."""
         eff_node, eff_prefix = self.effective_queries
         owner, node = self.effective_paths
+        if np.array_equal(eff_prefix, self.lengths[eff_node]):  # (every query sees its node whole)
+            return self.lengths[node]
         return np.where(node == eff_node[owner], eff_prefix[owner], self.lengths[node])
 
     @functools.cached_property
@@ -216,9 +218,12 @@ class DecodingTree:
     @functools.cached_property
     def node_extent(self) -> np.ndarray:
         """int64 [N]: leading tokens of each node that some query sees (the rest is never read)."""
-        _, node, visible = self.visible_pairs
-        extent = np.zeros(self.num_nodes, dtype=np.int64)
-        np.maximum.at(extent, node, visible)
+        # a node is read whole when some query's effective node lies strictly below it, else up
+        # to the longest prefix of the queries whose effective node it is (fewer than the pairs)
+        node, prefix = self.effective_queries
+        at = np.bincount(node, minlength=self.num_nodes)
+        extent = np.where(self.subtree_queries > at, self.lengths, 0)
+        np.maximum.at(extent, node, prefix)
         return extent
 
     @functools.cached_property

@@ -147,8 +147,8 @@ class StepPlanner:
         topo = tree.topology
         slots = plan.kv_indices.numpy().astype(np.int64)
         if plan.has_mask:
-            node = topo.order[plan.host.mask_lo]
-            pos = plan.host.mask_pos.astype(np.int64)
+            node = topo.order[plan.mask_lo.numpy()]
+            pos = plan.mask_pos.numpy().astype(np.int64)
         else:
             lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
             lut[tree.kv_indices] = np.arange(tree.kv_indices.size)

@@ -15,7 +15,17 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
     """The cost model's :meth:`~CostModel.breakdown` for ``items`` of ``tree`` (no Plan built).
 
     ``visible_tokens`` (tokens all queries see) and ``kv_tokens`` (unique tokens some query sees)
-    are the tree's, computed when not given."""
+    are the tree's, computed when not given. The estimate is kept with ``items`` (leaf packing
+    rates the items a planner returns, and ``auto`` rates them again)."""
+    key = (tree, heads, cost)
+    est = items.estimates.get(key)
+    if est is None:
+        est = items.estimates[key] = _estimate(tree, items, heads, cost, visible_tokens, kv_tokens)
+    return est
+
+
+def _estimate(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel,
+              visible_tokens: int | None, kv_tokens: int | None) -> dict:
     length, nq, item_masked = items.item_len, items.item_queries, items.masked
     used = (length > 0) & (nq > 0)
     if used.all():

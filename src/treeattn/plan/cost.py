@@ -48,11 +48,11 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
 
 @functools.lru_cache(maxsize=64)
 def _tile_tables(group: int, head_dim: int) -> tuple:
-    """Query-tile heights a GQA group may use and the queries each holds; the short and long KV
-    tile and whether they are different launch configs."""
+    """Query-tile heights a GQA group may use and the queries the tallest holds; the short and
+    long KV tile and whether they are different launch configs."""
     block_m = np.array(_block_m_choices(group))
     long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
-    return block_m, np.maximum(block_m // group, 1), TILE_SHORT[0], long_cfg[0], long_cfg != TILE_SHORT
+    return block_m, max(int(block_m[-1]) // group, 1), TILE_SHORT[0], long_cfg[0], long_cfg != TILE_SHORT
 
 
 def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None) -> list:
@@ -63,11 +63,12 @@ def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None
     if length.size == 0:
         return []
     group = heads.group
-    block_m, q_per_tile, short_n, long_n, two_kv_tiles = _tile_tables(group, heads.head_dim)
+    block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(group, heads.head_dim)
     m_idx = np.searchsorted(block_m, nq * group if group > 1 else nq)
     np.minimum(m_idx, block_m.size - 1, out=m_idx)
-    qpt = q_per_tile[m_idx]
-    tiles = (nq + qpt - 1) // qpt
+    # an item whose rows fit a smaller tile has one; the others split into tallest tiles, so
+    # ceil(queries / queries of the tallest) is every item's tile count
+    tiles = -(-nq // q_last) if q_last > 1 else nq
     # one launch per (block_m, KV tile config), found without sorting; KV tiles are powers of two
     if two_kv_tiles:
         is_long = length > SHORT_ITEM_TOKENS
@@ -77,15 +78,21 @@ def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None
         kv_tiles = ((length - 1) >> (short_n.bit_length() - 1)) + 1
         shape = m_idx * 2
     n_shapes = 2 * block_m.size
-    programs = np.bincount(shape, weights=tiles, minlength=n_shapes).tolist()
-    work = np.bincount(shape, weights=tiles * kv_tiles, minlength=n_shapes).tolist()
+    # integer sums (ufunc.at is cheaper than weighted bincount here)
+    programs = np.zeros(n_shapes, dtype=np.int64)
+    np.add.at(programs, shape, tiles)
+    work = np.zeros(n_shapes, dtype=np.int64)
+    np.add.at(work, shape, tiles * kv_tiles)
     longest = np.zeros(n_shapes, dtype=np.int64)
     np.maximum.at(longest, shape, kv_tiles)
+    flags = [False] * n_shapes
+    if masked is not None:
+        hit = np.zeros(n_shapes, dtype=bool)
+        np.logical_or.at(hit, shape, masked)
+        flags = hit.tolist()
     hkv = heads.num_kv_heads
-    flags = ((np.bincount(shape, weights=masked, minlength=n_shapes) > 0).tolist() if masked is not None
-             else [False] * n_shapes)
-    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, programs[k] * hkv, work[k] * hkv, m, flags[k])
-            for k, m in enumerate(longest.tolist()) if programs[k] > 0]
+    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k])
+            for k, (p, w, m) in enumerate(zip(programs.tolist(), work.tolist(), longest.tolist())) if p > 0]
 
 
 _ELEM_BYTES: dict = {}
@@ -218,5 +225,5 @@ class CostModel:
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
                                        ) + self.launch_overhead_s
         return {"attention": attn, "merge": merge, "launches": len(launches),
-                "masked": bool(np.any(masked)),
+                "masked": bool(masked.any()) if per_item else bool(masked),
                 "total": attn + merge + self.fixed_overhead_s}

@@ -64,6 +64,17 @@ class WorkItems:
         """int64 [num_items]: queries of each item."""
         return self.q_indptr[1:] - self.q_indptr[:-1]
 
+    def with_item_len(self, item_len: np.ndarray) -> "WorkItems":
+        """These items, with :attr:`item_len` known (from whoever made them)."""
+        self.__dict__["item_len"] = item_len  # (fills the cached property)
+        return self
+
+    @functools.cached_property
+    def estimates(self) -> dict:
+        """Cost-model estimates of these items by ``(tree, heads, cost)``
+        (:func:`treeattn.plan.auto.estimate_items` fills it)."""
+        return {}
+
     def take(self, keep: np.ndarray) -> "WorkItems":
         """The items selected by index array ``keep`` (in that order)."""
         if keep.size == self.num_items and (keep == np.arange(keep.size)).all():
@@ -153,16 +164,15 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     chunk_item = np.repeat(np.arange(n), chunks)
     q_cnt = items.item_queries[chunk_item]
     q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
+    cl = chunk_len[chunk_item]
+    new_len = np.minimum(cl, length[chunk_item] - (np.arange(num_new) - new_item_base[chunk_item]) * cl)
     q_tokens = None
     if items.q_tokens is not None and np.array_equal(items.q_tokens, np.repeat(length, items.item_queries)):
-        # queries that saw their items whole see every chunk whole
-        local = np.arange(num_new) - new_item_base[chunk_item]
-        cl = chunk_len[chunk_item]
-        q_tokens = np.repeat(np.minimum(cl, length[chunk_item] - local * cl), q_cnt)
+        q_tokens = np.repeat(new_len, q_cnt)  # queries that saw their items whole see every chunk whole
     # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
     # already grouped by new item
     return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
-                     piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
+                     piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens).with_item_len(new_len)
 
 
 def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
@@ -230,4 +240,4 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     b = node[bottom]
     q_tokens = (item_len - extent)[b] + visible[bottom]
     return WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi, _indptr(np.bincount(b, minlength=n)),
-                     q[bottom], q_tokens)
+                     q[bottom], q_tokens).with_item_len(item_len)

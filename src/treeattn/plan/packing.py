@@ -16,7 +16,7 @@ import numpy as np
 
 from treeattn.plan.auto import estimate_items
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups
+from treeattn.plan.items import WorkItems, _indptr
 from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
 from treeattn.tree import DecodingTree
 
@@ -29,14 +29,28 @@ PACK_MAX_FACTOR = 16
 
 def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
     """bool [num_items]: items with one segment whose queries all sit at that segment's node."""
-    n = items.num_items
-    nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
-    nq = items.item_queries
-    one = nseg == 1
-    seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
-    item_of_q = np.repeat(np.arange(n), nq)
-    at_node = tree.query_nodes[items.q_indices] == seg_node[item_of_q]
-    return one & (nq > 0) & (np.bincount(item_of_q, weights=at_node, minlength=n) == nq)
+    one = items.seg_indptr[1:] - items.seg_indptr[:-1] == 1
+    if one.all():
+        seg_node = items.seg_node
+    else:
+        seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
+    has_q = items.item_queries > 0
+    leaf = one & has_q
+    if not leaf.any():
+        return leaf
+    # the lowest and highest node of each item's queries (reduceat over items that have some)
+    starts = items.q_indptr[:-1][has_q]
+    qn = tree.query_nodes[items.q_indices]
+    node = seg_node[has_q]
+    leaf[has_q] &= (np.minimum.reduceat(qn, starts) == node) & (np.maximum.reduceat(qn, starts) == node)
+    return leaf
+
+
+def _median(values: np.ndarray) -> int:
+    """``int(np.median(values))`` of non-negative integers, without its overhead."""
+    v = np.sort(values)
+    m = v.size // 2
+    return int(v[m]) if v.size % 2 else (int(v[m - 1]) + int(v[m])) // 2
 
 
 def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
@@ -46,9 +60,10 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
 
     A leaf item has one segment, and every query of it sits at that segment's node; it is packed
     when ``k`` such items fit one query tile (``k * queries * group <= rows``) and
-    ``k * tokens <= max_tokens``. The result's ``masked`` flags mark the packed items (the plan
-    builder finds the same from visibility). ``items`` itself is returned when nothing packs.
-    ``leaf`` (from the same items) saves finding the leaf items again.
+    ``k * tokens <= max_tokens``. The packed items follow the others (in their order). The
+    result's ``masked`` flags mark the packed items (the plan builder finds the same from
+    visibility). ``items`` itself is returned when nothing packs. ``leaf`` (from the same items)
+    saves finding the leaf items again.
     """
     n = items.num_items
     if k < 2 or n < 2:
@@ -56,22 +71,32 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
     nq = items.item_queries
     leaf = (_leaf_items(items, tree) if leaf is None else leaf) & (nq * group * k <= rows) & \
         (items.item_len * k <= max_tokens)
-    num_leaves = int(leaf.sum())
+    num_leaves = int(np.count_nonzero(leaf))
     if num_leaves < 2:
         return items
-    new_id = np.empty(n, dtype=np.int64)
-    others = np.flatnonzero(~leaf)
-    new_id[others] = np.arange(others.size)
-    new_id[leaf] = others.size + np.arange(num_leaves) // k
-    num = others.size + -(-num_leaves // k)
     nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
-    packed = items_from_groups(new_id[np.repeat(np.arange(n), nseg)], items.seg_node, items.seg_lo,
-                               items.seg_hi, new_id[np.repeat(np.arange(n), nq)], items.q_indices, num,
-                               items.q_tokens)
-    masked = np.zeros(num, dtype=bool)
-    masked[others.size:] = np.bincount(new_id[leaf] - others.size, minlength=num - others.size) > 1
-    return WorkItems(packed.seg_indptr, packed.seg_node, packed.seg_lo, packed.seg_hi, packed.q_indptr,
-                     packed.q_indices, packed.q_tokens, masked)
+    num_others = n - num_leaves
+    seg = [items.seg_node, items.seg_lo, items.seg_hi]
+    qs = [items.q_indices, items.q_tokens]
+    if leaf[num_others:].all():  # the leaf items come last (tree order): nothing moves
+        others, leaves = slice(num_others), slice(num_others, n)
+    else:  # the others first, then the leaf items (one segment each), each in order
+        others, leaves = ~leaf, leaf
+        seg_leaf = np.repeat(leaf, nseg)
+        order = np.concatenate((np.flatnonzero(~seg_leaf), np.flatnonzero(seg_leaf)))
+        seg = [a[order] for a in seg]
+        q_leaf = np.repeat(leaf, nq)
+        order = np.concatenate((np.flatnonzero(~q_leaf), np.flatnonzero(q_leaf)))
+        qs = [None if a is None else a[order] for a in qs]
+    groups = np.arange(0, num_leaves, k)
+    seg_count = np.append(nseg[others], np.full(groups.size, k))
+    seg_count[-1] = num_leaves - groups[-1]
+    q_count = np.append(nq[others], np.add.reduceat(nq[leaves], groups))
+    length = np.append(items.item_len[others], np.add.reduceat(items.item_len[leaves], groups))
+    masked = np.zeros(seg_count.size, dtype=bool)
+    masked[num_others:] = True
+    masked[-1] = seg_count[-1] > 1
+    return WorkItems(_indptr(seg_count), *seg, _indptr(q_count), *qs, masked).with_item_len(length)
 
 
 def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel
@@ -85,10 +110,10 @@ def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig,
     if not cost.leaf_packing or items.num_items * heads.num_kv_heads < cost.target_programs:
         return items, 1  # few programs: nothing to save
     leaf = _leaf_items(items, tree)
-    if leaf.sum() < 2:
+    if np.count_nonzero(leaf) < 2:
         return items, 1
-    rows = int(np.median(items.item_queries[leaf])) * heads.group
-    tokens = int(np.median(items.item_len[leaf]))
+    rows = _median(items.item_queries[leaf]) * heads.group
+    tokens = _median(items.item_len[leaf])
     fit = min(BLOCK_M_CHOICES[0] // max(rows, 1), PACK_MAX_TOKENS // max(tokens, 1), PACK_MAX_FACTOR)
     if fit < 2:
         return items, 1

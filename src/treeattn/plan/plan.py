@@ -116,8 +116,13 @@ class PlanHost:
         Every planned entry that is the last token of its node.
     tail_node : intp [n_tails]
         The node of each.
-    mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
-        The tree mask on the host (plans with a tree mask).
+    seg_len : int64 [S] or None
+        Entries of each segment (a run of one node's tokens) of the KV list, in order.
+    seg_lo, seg_tin, seg_tout : int32 [S] or None
+        Position in its node of each segment's first entry, and its node's pre-order range: the
+        tree mask by segment, from which updates rebuild it. All four are None without a mask.
+    tail_seg : intp [n_tails] or None
+        The segment ending at each tail (plans with a tree mask).
     work_kv_start, work_kv_end : int32 [W]
     start_tails, end_tails : intp [W]
         Tails before each work unit's start and end (``tail_pos < work_kv_start``); fixed for
@@ -135,9 +140,11 @@ class PlanHost:
     kv_slots: np.ndarray
     tail_pos: np.ndarray
     tail_node: np.ndarray
-    mask_lo: np.ndarray | None
-    mask_hi: np.ndarray | None
-    mask_pos: np.ndarray | None
+    seg_len: np.ndarray | None
+    seg_lo: np.ndarray | None
+    seg_tin: np.ndarray | None
+    seg_tout: np.ndarray | None
+    tail_seg: np.ndarray | None
     work_kv_start: np.ndarray
     work_kv_end: np.ndarray
     start_tails: np.ndarray
@@ -254,12 +261,6 @@ def _block_m_choices(group: int) -> list:
     return [m for m in BLOCK_M_CHOICES if m >= group] or [1 << (group - 1).bit_length()]
 
 
-def _choose_block_m(rows: np.ndarray, group: int) -> np.ndarray:
-    choices = np.array(_block_m_choices(group))
-    idx = np.searchsorted(choices, rows, side="left")
-    return choices[np.minimum(idx, choices.size - 1)]
-
-
 def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -> np.ndarray:
     """int64 [nnz]: tokens of its item that each (item, query) pair sees (``q_item``: the item of
     each pair)."""
@@ -293,12 +294,6 @@ def launch_shapes(heads: HeadConfig) -> list:
     """Every ``(block_m, block_n, num_warps, num_stages)`` a plan for these heads can launch."""
     tiles = sorted({TILE_SHORT, TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256})
     return [(m, *t) for m in _block_m_choices(heads.group) for t in tiles]
-
-
-def _choose_kv_tile(length: np.ndarray, head_dim: int) -> np.ndarray:
-    """int64 [n, 3]: (block_n, num_warps, num_stages) of each item."""
-    long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
-    return np.where((length <= SHORT_ITEM_TOKENS)[:, None], np.array(TILE_SHORT), np.array(long_cfg))
 
 
 #: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
@@ -342,6 +337,14 @@ def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> n
     return tree.kv_indices[ranges(start, start + count)].astype(np.int32)
 
 
+def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, total: int) -> np.ndarray:
+    """int32 [total]: position in its node of every entry of segments of ``seg_len`` entries,
+    ``seg_lo`` the first's and ``seg_kv`` where each segment's entries start."""
+    pos = np.arange(total, dtype=np.int32)
+    pos -= np.repeat((seg_kv - seg_lo).astype(np.int32, copy=False), seg_len)
+    return pos
+
+
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
     """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
     return np.cumsum(np.bincount(start_tails, minlength=n_tails + 1)
@@ -382,27 +385,37 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                    else np.ones(items.num_items, dtype=bool))
     keep = np.flatnonzero((length > 0) & (nq > 0))
     length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
-    # -- query tiles: PAT round-up, split only beyond the largest tile
-    block_m = _choose_block_m(nq * group, group)
-    kv_tile = _choose_kv_tile(length, heads.head_dim)
-    # launch order: by tile shape (one launch per shape), longest items first inside a launch so
-    # the long programs start early (less tail)
-    order = np.lexsort((-length, kv_tile[:, 0], block_m))
-    items = items.take(keep[order])
-    length, nq, block_m, kv_tile = length[order], nq[order], block_m[order], kv_tile[order]
-    item_masked = item_masked[order]
-    n_items = items.num_items
+    # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
+    # (query tile, KV tile config); ``shape`` numbers them in launch order
+    m_choices = np.array(_block_m_choices(group))
+    m_idx = np.minimum(np.searchsorted(m_choices, nq * group), m_choices.size - 1)
+    long_cfg = TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256
+    kv_cfgs = sorted({TILE_SHORT, long_cfg})  # KV tile configs by block_n
+    shape = m_idx * len(kv_cfgs)
+    if len(kv_cfgs) > 1:
+        shape += (length > SHORT_ITEM_TOKENS) == (kv_cfgs[1] == long_cfg)
+    # launch order: by shape, longest items first inside a launch so the long programs start
+    # early (less tail)
+    order = np.lexsort((-length, shape))
+    length, nq, shape, item_masked = length[order], nq[order], shape[order], item_masked[order]
+    keep = keep[order]
+    n_items = keep.size
+    block_m = m_choices[shape // len(kv_cfgs)]
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
-    # KV slots, item after item
-    seg_node, seg_lo, seg_hi = items.seg_node, items.seg_lo, items.seg_hi
+    # segments and queries, item after item
+    seg = ranges(items.seg_indptr[keep], items.seg_indptr[keep + 1])
+    seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
+    q_start = items.q_indptr[keep]
+    row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
+    # KV slots
     seg_len = seg_hi - seg_lo
-    seg_src = tree.kv_indptr[seg_node] + seg_lo
-    kv_indices = _gather_slots(tree, seg_src, seg_len)
+    kv_indices = _gather_slots(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len)
+    seg_kv = np.cumsum(seg_len) - seg_len  # each segment's first entry
     # entries holding the last token of their node: at most one per segment
     node_len = tree.lengths[seg_node]
     at_tail = (seg_lo < node_len) & (node_len <= seg_hi)
-    tail = (np.cumsum(seg_len) - seg_len + node_len - 1 - seg_lo)[at_tail]
+    tail = (seg_kv + node_len - 1 - seg_lo)[at_tail]
     item_kv_start = np.concatenate(([0], np.cumsum(length)))[:-1]
     # work units = query tiles
     w_item = np.repeat(np.arange(n_items), tiles)
@@ -412,7 +425,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
     work_kv_start = item_kv_start[w_item]
     work_kv_end = work_kv_start + length[w_item]
-    row_q = items.q_indices  # tiles of an item take its queries in order, so rows == item queries
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
@@ -421,22 +433,25 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     row_direct = q_rows[row_q] == 1
     num_direct = int(np.count_nonzero(row_direct))
     merge_q = np.flatnonzero(q_rows != 1)
-    # launches: one per (block_m, kv tile) shape; items (so work units) are grouped by shape. A
-    # launch applies the tree mask when one of its items needs it (an extra launch would cost more)
-    shape = np.column_stack((block_m, kv_tile))
-    bounds = np.flatnonzero(np.any(shape[1:] != shape[:-1], axis=1)) + 1
-    first = np.concatenate(([0], bounds)).tolist()
+    # launches: items (so work units) are grouped by shape. A launch applies the tree mask when
+    # one of its items needs it (an extra launch would cost more)
+    first = [0] + (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
     if n_items:
         item_masked = np.repeat(np.logical_or.reduceat(item_masked, first), np.diff(first + [n_items]))
-    w_bounds = np.concatenate((w_first, [w_item.size]))
-    launches = tuple(Launch(*shape[a, :2].tolist(), int(w_bounds[a]), int(w_bounds[b]), *shape[a, 2:].tolist(),
-                            masked=bool(item_masked[a]))
-                     for a, b in zip(first, first[1:] + [n_items]) if w_bounds[b] > w_bounds[a])
-    # tree mask
-    mask = [None] * 5
+    w_bounds = np.append(w_first, w_item.size).tolist()
+    launches = []
+    for a, b in zip(first, first[1:] + [n_items]):
+        if w_bounds[b] > w_bounds[a]:
+            block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
+            launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
+                                   masked=bool(item_masked[a])))
+    # tree mask, built as int32: each entry's node range and position in its node
+    mask, seg_mask = [None] * 5, [None] * 5
     if needs_mask:
-        kv_node = np.repeat(seg_node, seg_len)
-        mask = [topo.tin[kv_node], topo.tout[kv_node], ranges(seg_lo, seg_hi),
+        seg_mask = [seg_len, seg_lo.astype(np.int32), topo.tin[seg_node].astype(np.int32),
+                    topo.tout[seg_node].astype(np.int32), np.flatnonzero(at_tail)]
+        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
+                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size),
                 topo.tin[tree.query_nodes], tree.query_prefix]
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
@@ -471,11 +486,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], row_direct=t["row_direct"],
         merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
-        query_prefix=t["query_prefix"], launches=launches, io=io, num_items=n_items, reason=reason,
+        query_prefix=t["query_prefix"], launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
-                      tail_node=tail_node, mask_lo=h.get("mask_lo"),
-                      mask_hi=h.get("mask_hi"), mask_pos=h.get("mask_pos"),
+                      tail_node=tail_node, seg_len=seg_mask[0], seg_lo=seg_mask[1], seg_tin=seg_mask[2],
+                      seg_tout=seg_mask[3], tail_seg=seg_mask[4],
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),

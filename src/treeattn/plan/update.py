@@ -6,16 +6,15 @@ so they join the work items that already read that node's tail (with the same qu
 see them too), and every work range is shifted by the tokens inserted before it. The structure
 (items, query tiles, merge map, launches) is kept. Work is O(nodes + work units) plus one pass
 over the tree's slots (to check that the old ones are unchanged) and one copy of the planned KV
-list (and of the tree mask, when the plan has one).
+list; a tree mask is rebuilt from its segments (the new entries lengthen the segments that end at
+their tails), which is cheaper than splicing its three arrays.
 """
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import torch
 
-from treeattn.plan.plan import Plan, PlanHost
+from treeattn.plan.plan import Plan, PlanHost, _positions
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
@@ -46,10 +45,10 @@ def _grown(h: PlanHost, tree: DecodingTree) -> np.ndarray | None:
 
 def _replace(obj, **changes):
     """``dataclasses.replace`` for the frozen dataclasses here (none has ``__post_init__``) at a
-    fraction of its cost: a shallow copy with the changed fields set."""
-    new = copy.copy(obj)
-    for name, value in changes.items():
-        object.__setattr__(new, name, value)
+    fraction of its cost: a new instance with the fields copied and the changed ones set."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
     return new
 
 
@@ -71,7 +70,7 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         return plan if np.array_equal(tree.kv_indices, old.kv_indices) else None
     counts = grown[h.tail_node]  # tokens appended after each planned tail (0: not grown)
     inserted = np.zeros(counts.size + 1, dtype=np.int32)  # inserted[k]: after tails[:k]
-    inserted[1:] = np.cumsum(counts)
+    np.cumsum(counts, out=inserted[1:])
     added = int(inserted[-1])
     # new entry i (the j-th of tail k, so i = inserted[k] + j) goes right after that tail, which
     # moves to tail_pos[k] + inserted[k]; it holds token kv_indptr[node + 1] - counts[k] + j
@@ -85,27 +84,26 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     old_token[token] = False
     if not np.array_equal(tree.kv_indices[old_token], old.kv_indices):
         return None
-    tail_at = h.tail_pos[src]
-    new_at = tail_at + (i + 1)
-    keep_old = np.ones(h.kv_slots.size + added, dtype=bool)
-    keep_old[new_at] = False
-
-    def splice(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-        out = np.empty(keep_old.size, dtype=old.dtype)
-        out[keep_old] = old
-        out[new_at] = new
-        return out
-
+    new_at = h.tail_pos[src] + (i + 1)
+    kv = np.ones(h.kv_slots.size + added, dtype=bool)  # where the old entries go
+    kv[new_at] = False
     new_slots = tree.kv_indices[token]
+    host = {"kv_indices": np.empty(kv.size, dtype=np.int32)}
+    host["kv_indices"][kv] = h.kv_slots
+    host["kv_indices"][new_at] = new_slots
     # a range [s, e) moves by the tokens inserted after the tails before s (its end: before e)
-    host = {"kv_indices": splice(h.kv_slots, new_slots),
-            "work_kv_start": h.work_kv_start + inserted[h.start_tails],
-            "work_kv_end": h.work_kv_end + inserted[h.end_tails]}
+    host["work_kv_start"] = h.work_kv_start + inserted[h.start_tails]
+    host["work_kv_end"] = h.work_kv_end + inserted[h.end_tails]
+    seg = {}
     if plan.has_mask:
-        # tin/tout depend on the parents only, so new entries copy their tail's mask range
-        host["mask_lo"] = splice(h.mask_lo, h.mask_lo[tail_at])
-        host["mask_hi"] = splice(h.mask_hi, h.mask_hi[tail_at])
-        host["mask_pos"] = splice(h.mask_pos, (old.lengths[h.tail_node] - inserted[:-1])[src] + i)
+        # the new entries extend the segments ending at their tails: rebuild the mask by segment
+        # (tin/tout depend on the parents only)
+        seg_len = h.seg_len.copy()
+        seg_len[h.tail_seg] += counts
+        seg = {"seg_len": seg_len}
+        host["mask_lo"] = np.repeat(h.seg_tin, seg_len)
+        host["mask_hi"] = np.repeat(h.seg_tout, seg_len)
+        host["mask_pos"] = _positions(h.seg_lo, seg_len, np.cumsum(seg_len) - seg_len, kv.size)
         host["query_prefix"] = tree.query_prefix.astype(np.int32)
     t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
     device = plan.device
@@ -123,6 +121,5 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
-        mask_lo=host.get("mask_lo"), mask_hi=host.get("mask_hi"), mask_pos=host.get("mask_pos"),
-        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"], tree=tree)
+        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"], tree=tree, **seg)
     return _replace(plan, **t)
