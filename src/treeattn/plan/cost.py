@@ -32,7 +32,7 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
     attention launch the plan builder would make for these items (items without tokens or queries
     left out).
 
-    As in :func:`treeattn.plan.plan.build_plan`: an item's query tile is the smallest ``block_m``
+    As in :func:`treeattn.plan.build.build_plan`: an item's query tile is the smallest ``block_m``
     holding its rows (queries x GQA group), split beyond the largest; its KV tile is ``block_n``
     32 or 64 by length; one launch per ``(block_m, block_n)``, one program per (query tile, KV
     head). ``program_tiles`` sums the KV tiles (loop iterations) of all programs of a launch,
