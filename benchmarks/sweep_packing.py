@@ -22,8 +22,8 @@ import torch
 from treeattn import TreeAttention
 from treeattn.bench.timing import graph_us, provenance
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, make_plan
+from treeattn.plan.build import build_plan
 from treeattn.plan.packing import pack_leaf_items
-from treeattn.plan.plan import build_plan
 from treeattn.workloads import tree_from_spec
 
 CASES = [("1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16", 32, 32),

@@ -203,8 +203,8 @@ def test_packed_leaf_items_match_float64_reference(rng, hq, hkv):
     """Leaf items packed 2 and 4 per work item run in the Triton kernel (the interpreter on CPU):
     each query attends to its own leaf only, through the tree mask of the packed items' launch."""
     from treeattn.plan import HeadConfig, PLANNERS
+    from treeattn.plan.build import build_plan
     from treeattn.plan.packing import pack_leaf_items
-    from treeattn.plan.plan import build_plan
 
     tree = tree_from_spec("1,4,16_40,9,5")
     d = 16

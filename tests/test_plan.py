@@ -8,10 +8,10 @@ from hypothesis import given
 from helpers import expected_coverage, forests, planned_coverage, random_tree
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
+from treeattn.plan.build import _pair_visibility
 from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
 from treeattn.plan.items import split_long_items
 from treeattn.plan.node import node_items
-from treeattn.plan.plan import _pair_visibility
 from treeattn.reference import visibility_mask
 from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
 
@@ -254,9 +254,9 @@ def test_packed_leaf_items_cover_every_visible_token_once(rng, k, group):
     """Packing leaf items keeps every (query, visible token) pair planned exactly once (the tree
     mask keeps each query to its own leaf); the packed items are flagged masked, as are their
     launches, and the other items' launches are not."""
+    from treeattn.plan.build import build_plan
     from treeattn.plan.items import WorkItems
     from treeattn.plan.packing import pack_leaf_items
-    from treeattn.plan.plan import build_plan
 
     tree = tree_from_spec("1,3,24_37,5,3")
     heads = HeadConfig(8 * group, 8, 16, torch.float32)

@@ -234,6 +234,12 @@ class DecodingTree:
         csum = np.concatenate(([0], np.cumsum(at)))
         return csum[topo.tout] - csum[topo.tin]
 
+    @functools.cached_property
+    def derived(self) -> dict:
+        """Values that planners derive from the tree alone, by name (a tree does not change, so
+        ``auto``'s planners share them)."""
+        return {}
+
     def paths(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Root-to-node paths: int64 ``(owner, node)`` listing, for each entry ``k`` of ``nodes``,
         its ancestors root first and then itself (``owner`` = ``k``)."""

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from treeattn.plan.auto import plan_auto
+from treeattn.plan.build import build_plan
 from treeattn.plan.cost import CostModel
 from treeattn.plan.flatten import plan_flatten
 from treeattn.plan.greedy import plan_greedy
 from treeattn.plan.node import plan_node
 from treeattn.plan.node_chunk import plan_node_chunk
 from treeattn.plan.pack import plan_pack
-from treeattn.plan.plan import HeadConfig, Launch, Plan, PlanIO, build_plan
+from treeattn.plan.plan import HeadConfig, Launch, Plan, PlanIO
 from treeattn.plan.sequence import plan_sequence
 from treeattn.tree import DecodingTree
 

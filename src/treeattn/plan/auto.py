@@ -15,17 +15,39 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
     """The cost model's :meth:`~CostModel.breakdown` for ``items`` of ``tree`` (no Plan built).
 
     ``visible_tokens`` (tokens all queries see) and ``kv_tokens`` (unique tokens some query sees)
-    are the tree's, computed when not given. The estimate is kept with ``items`` (leaf packing
-    rates the items a planner returns, and ``auto`` rates them again)."""
+    are the tree's, computed when not given."""
+    return estimate_many(tree, [items], heads, cost, visible_tokens=visible_tokens, kv_tokens=kv_tokens)[0]
+
+
+def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: CostModel, *,
+                  visible_tokens: int | None = None, kv_tokens: int | None = None) -> list:
+    """:func:`estimate_items` of several item sets of ``tree``, rated together (one pass of the
+    cost model's numpy work for all). Each estimate is kept with its items: leaf packing rates
+    the items a planner returns, and ``auto`` rates them again."""
     key = (tree, heads, cost)
-    est = items.estimates.get(key)
-    if est is None:
-        est = items.estimates[key] = _estimate(tree, items, heads, cost, visible_tokens, kv_tokens)
-    return est
+    todo = list({id(it): it for it in item_sets if key not in it.estimates}.values())
+    if todo:
+        if visible_tokens is None:
+            visible_tokens = int(tree.visible_tokens.sum())
+        if kv_tokens is None:
+            kv_tokens = int(tree.node_extent.sum())
+        sets = [_estimate_inputs(tree, it, visible_tokens, kv_tokens) for it in todo]
+        for it, est in zip(todo, cost._breakdown_many(sets, heads)):
+            it.estimates[key] = est
+    return [it.estimates[key] for it in item_sets]
 
 
-def _estimate(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel,
-              visible_tokens: int | None, kv_tokens: int | None) -> dict:
+def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
+    """Whether the cost model rates ``items`` as needing the tree mask (its ``masked``), without
+    rating them."""
+    if items.masked is not None:
+        return bool((items.masked & (items.item_len > 0) & (items.item_queries > 0)).any())
+    return int(items.item_len @ items.item_queries) > int(tree.visible_tokens.sum())
+
+
+def _estimate_inputs(tree: DecodingTree, items: WorkItems, visible_tokens: int, kv_tokens: int) -> tuple:
+    """The cost model's inputs for ``items``: its used items' lengths and queries, the longest
+    merge chain, the queries, the unique KV tokens and whether (or which items) need the mask."""
     length, nq, item_masked = items.item_len, items.item_queries, items.masked
     used = (length > 0) & (nq > 0)
     if used.all():
@@ -34,39 +56,21 @@ def _estimate(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: Cos
         length, nq = length[used], nq[used]
         q_used = items.q_indices[np.repeat(used, items.item_queries)]
         item_masked = None if item_masked is None else item_masked[used]
-    per_query = np.bincount(q_used, minlength=tree.num_queries)
+    merge_rows_max = int(np.bincount(q_used, minlength=tree.num_queries).max()) if q_used.size else 0
     # every visible token of a query is in exactly one of its items, so the items hold more
     # (item, query) tokens than the queries see iff some query sees only part of an item: the
     # plan needs the tree mask
-    if visible_tokens is None:
-        visible_tokens = int(tree.visible_tokens.sum())
-    if kv_tokens is None:
-        kv_tokens = int(tree.node_extent.sum())
     masked = item_masked if item_masked is not None else int(length @ nq) > visible_tokens
-    return cost._breakdown(length, nq, heads, int(per_query.max()) if per_query.size else 0,
-                           tree.num_queries, kv_tokens, masked)
-
-
-def _same_estimate_inputs(a: WorkItems, b: WorkItems) -> bool:
-    """Whether :func:`estimate_items` rates ``a`` and ``b`` alike (same lengths and queries)."""
-    return a is b or (a.num_items == b.num_items and a.q_indices.size == b.q_indices.size
-                      and np.array_equal(a.item_len, b.item_len) and np.array_equal(a.q_indptr, b.q_indptr)
-                      and np.array_equal(a.q_indices, b.q_indices))
+    return length, nq, merge_rows_max, tree.num_queries, kv_tokens, masked
 
 
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
               ) -> tuple[str, WorkItems, str, tuple]:
     """Returns ``(chosen strategy, its items, reason, candidates)``: ``candidates`` are
     ``(strategy, estimated seconds)`` of every planner, best estimate first."""
-    scored = []
-    tokens = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
-    for name, planner in planners.items():
-        items, note = planner(tree, heads, cost)
-        # planners may make the same items (node_chunk when no node is long): rate them once
-        est = next((e for _, _, it, _, e in scored if _same_estimate_inputs(it, items)), None)
-        if est is None:
-            est = estimate_items(tree, items, heads, cost, **tokens)
-        scored.append((est["total"], name, items, note, est))
+    made = [(name, *planner(tree, heads, cost)) for name, planner in planners.items()]
+    estimates = estimate_many(tree, [items for _, items, _ in made], heads, cost)
+    scored = [(est["total"], name, items, note, est) for (name, items, note), est in zip(made, estimates)]
     scored.sort(key=lambda s: s[0])
     close = [s for s in scored if s[0] <= scored[0][0] * (1.0 + cost.choice_margin)]
     _, name, items, note, est = min(close, key=lambda s: (_kernels(s[4]), s[0]))

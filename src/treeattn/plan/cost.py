@@ -32,7 +32,7 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
     attention launch the plan builder would make for these items (items without tokens or queries
     left out).
 
-    As in :func:`treeattn.plan.plan.build_plan`: an item's query tile is the smallest ``block_m``
+    As in :func:`treeattn.plan.build.build_plan`: an item's query tile is the smallest ``block_m``
     holding its rows (queries x GQA group), split beyond the largest; its KV tile is ``block_n``
     32 or 64 by length; one launch per ``(block_m, block_n)``, one program per (query tile, KV
     head). ``program_tiles`` sums the KV tiles (loop iterations) of all programs of a launch,
@@ -56,12 +56,19 @@ def _tile_tables(group: int, head_dim: int) -> tuple:
 
 
 def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None) -> list:
-    """:func:`launch_features` of items that all have tokens and queries, as a list of tuples
-    (few numpy passes: ``auto`` runs this for every strategy), each with a sixth entry: whether
-    the launch applies the tree mask (one of its items is flagged in per-item ``masked``, as the
-    plan builder decides; False without flags)."""
-    if length.size == 0:
-        return []
+    """:func:`launch_features` of items that all have tokens and queries, as a list of tuples,
+    each with a sixth entry: whether the launch applies the tree mask (one of its items is
+    flagged in per-item ``masked``, as the plan builder decides; False without flags)."""
+    return _launches_many([(length, nq, masked)], heads)[0]
+
+
+def _launches_many(sets: list, heads: HeadConfig) -> list:
+    """:func:`_launches` of several ``(length, nq, masked)`` item sets in one pass (``auto`` rates
+    every strategy's items: few numpy calls for all of them)."""
+    sizes = [s[0].size for s in sets]
+    if not sum(sizes):
+        return [[] for _ in sets]
+    length, nq = (np.concatenate(a) if len(sets) > 1 else a[0] for a in zip(*(s[:2] for s in sets)))
     group = heads.group
     block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(group, heads.head_dim)
     m_idx = np.searchsorted(block_m, nq * group if group > 1 else nq)
@@ -69,30 +76,36 @@ def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None
     # an item whose rows fit a smaller tile has one; the others split into tallest tiles, so
     # ceil(queries / queries of the tallest) is every item's tile count
     tiles = -(-nq // q_last) if q_last > 1 else nq
-    # one launch per (block_m, KV tile config), found without sorting; KV tiles are powers of two
+    # one launch per (set, block_m, KV tile config), found without sorting; KV tiles are powers
+    # of two
+    n_shapes = 2 * block_m.size
+    shape = m_idx * 2
     if two_kv_tiles:
         is_long = length > SHORT_ITEM_TOKENS
         kv_tiles = ((length - 1) >> np.where(is_long, long_n.bit_length() - 1, short_n.bit_length() - 1)) + 1
-        shape = m_idx * 2 + is_long
+        shape += is_long
     else:
         kv_tiles = ((length - 1) >> (short_n.bit_length() - 1)) + 1
-        shape = m_idx * 2
-    n_shapes = 2 * block_m.size
+    if len(sets) > 1:
+        shape += np.repeat(np.arange(0, len(sets) * n_shapes, n_shapes), sizes)
     # integer sums (ufunc.at is cheaper than weighted bincount here)
-    programs = np.zeros(n_shapes, dtype=np.int64)
+    programs = np.zeros(len(sets) * n_shapes, dtype=np.int64)
     np.add.at(programs, shape, tiles)
-    work = np.zeros(n_shapes, dtype=np.int64)
+    work = np.zeros_like(programs)
     np.add.at(work, shape, tiles * kv_tiles)
-    longest = np.zeros(n_shapes, dtype=np.int64)
+    longest = np.zeros_like(programs)
     np.maximum.at(longest, shape, kv_tiles)
-    flags = [False] * n_shapes
-    if masked is not None:
-        hit = np.zeros(n_shapes, dtype=bool)
-        np.logical_or.at(hit, shape, masked)
+    flags = [False] * programs.size
+    if any(s[2] is not None for s in sets):
+        hit = np.zeros(programs.size, dtype=bool)
+        np.logical_or.at(hit, shape, np.concatenate([np.zeros(n, dtype=bool) if s[2] is None else s[2]
+                                                     for n, s in zip(sizes, sets)]))
         flags = hit.tolist()
     hkv = heads.num_kv_heads
-    return [(int(block_m[k // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k])
-            for k, (p, w, m) in enumerate(zip(programs.tolist(), work.tolist(), longest.tolist())) if p > 0]
+    launches = [(int(block_m[k % n_shapes // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k])
+                if p > 0 else None
+                for k, (p, w, m) in enumerate(zip(programs.tolist(), work.tolist(), longest.tolist()))]
+    return [[ln for ln in launches[i:i + n_shapes] if ln] for i in range(0, len(launches), n_shapes)]
 
 
 _ELEM_BYTES: dict = {}
@@ -201,6 +214,18 @@ class CostModel:
     def _breakdown(self, length: np.ndarray, nq: np.ndarray, heads: HeadConfig, merge_rows_max: int,
                    num_queries: int | None, kv_tokens: int | None, masked: bool) -> dict:
         """:meth:`breakdown` of int64 items that all have tokens and queries."""
+        return self._breakdown_many([(length, nq, merge_rows_max, num_queries, kv_tokens, masked)], heads)[0]
+
+    def _breakdown_many(self, sets: list, heads: HeadConfig) -> list:
+        """:meth:`_breakdown` of several ``(length, nq, merge_rows_max, num_queries, kv_tokens,
+        masked)`` item sets (their launches found in one pass)."""
+        all_launches = _launches_many([(s[0], s[1], s[5] if isinstance(s[5], np.ndarray) else None)
+                                       for s in sets], heads)
+        return [self._total(*s, launches, heads) for s, launches in zip(sets, all_launches)]
+
+    def _total(self, length: np.ndarray, nq: np.ndarray, merge_rows_max: int, num_queries: int | None,
+               kv_tokens: int | None, masked: bool | np.ndarray, launches: list, heads: HeadConfig) -> dict:
+        """:meth:`_breakdown` given the items' launches."""
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
         rows = int(nq.sum())
         num_queries = rows if num_queries is None else int(num_queries)
@@ -208,9 +233,8 @@ class CostModel:
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
         per_item = isinstance(masked, np.ndarray)
-        launches = _launches(length, nq, heads, masked if per_item else None)
         attn = 0.0
-        for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain floats
+        for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain numbers
             mask = 1.0 + self.mask_cost * (launch_masked if per_item else bool(masked))
             tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
             sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms

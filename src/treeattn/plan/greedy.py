@@ -48,8 +48,7 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     if kids.size == 0:
         return glued
     par = tree.parents[kids]
-    first = np.flatnonzero(np.concatenate(([True], par[1:] != par[:-1])))
-    sib = np.repeat(first, np.diff(np.append(first, kids.size)))  # each edge's first sibling
+    sib = topo.child_indptr[par]  # each edge's first sibling
     # terms of the child on its own (``a_pad_q_l`` and ``b_nq`` are the leading products of two
     # terms of split_q)
     nq, len_l = rows[kids], tree.lengths[kids]

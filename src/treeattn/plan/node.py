@@ -16,7 +16,14 @@ from treeattn.tree import DecodingTree
 
 def node_items(tree: DecodingTree) -> WorkItems:
     """One item per node with visible tokens: the node (up to the last token anyone sees) and every
-    query seeing part of it."""
+    query seeing part of it (made once per tree: ``node`` and ``node_chunk`` share them)."""
+    items = tree.derived.get("node_items")
+    if items is None:
+        items = tree.derived["node_items"] = _node_items(tree)
+    return items
+
+
+def _node_items(tree: DecodingTree) -> WorkItems:
     q, node, _, visible = tree.pairs_by_node
     seen = visible > 0  # (zero-length nodes have pairs but no visible tokens)
     if not seen.all():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from treeattn.plan.auto import estimate_items
+from treeattn.plan.auto import estimate_many, needs_mask
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr
 from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
@@ -118,13 +118,12 @@ def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig,
     if fit < 2:
         return items, 1
     k = 1 << (fit.bit_length() - 1)
-    sums = {"visible_tokens": int(tree.visible_tokens.sum()), "kv_tokens": int(tree.node_extent.sum())}
-    base = estimate_items(tree, items, heads, cost, **sums)
-    if base["masked"]:
+    if needs_mask(tree, items):
         return items, 1
     unmasked = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi, items.q_indptr,
                          items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool))
     packed = pack_leaf_items(unmasked, tree, k, group=heads.group, leaf=leaf)
-    if packed is unmasked or estimate_items(tree, packed, heads, cost, **sums)["total"] >= base["total"]:
+    if packed is unmasked:
         return items, 1
-    return packed, k
+    base, est = estimate_many(tree, [items, packed], heads, cost)
+    return (items, 1) if est["total"] >= base["total"] else (packed, k)

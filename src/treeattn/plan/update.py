@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.plan import Plan, PlanHost, _positions
+from treeattn.plan.build import _positions
+from treeattn.plan.plan import Plan, PlanHost
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]

@@ -1,0 +1,248 @@
+"""The plan builder: planner work items lowered to a :class:`~treeattn.plan.plan.Plan` (query
+tiles, launches, the KV slot list, the merge map, the tree mask when needed, and the host copies
+the lazy update patches)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from treeattn.plan.items import WorkItems, group_order
+from treeattn.plan.plan import (
+    SHORT_ITEM_TOKENS,
+    TILE_LONG,
+    TILE_LONG_HEAD256,
+    TILE_SHORT,
+    HeadConfig,
+    Launch,
+    Plan,
+    PlanHost,
+    PlanIO,
+    _block_m_choices,
+)
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
+
+__all__ = ["build_plan"]
+
+
+def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -> np.ndarray:
+    """int64 [nnz]: tokens of its item that each (item, query) pair sees (``q_item``: the item of
+    each pair)."""
+    nseg = np.diff(items.seg_indptr)[q_item]
+    one_seg = bool(np.all(nseg == 1))  # (the common case: one entry per pair)
+    pair_seg = items.seg_indptr[q_item] if one_seg else ranges(items.seg_indptr[q_item],
+                                                                 items.seg_indptr[q_item + 1])
+    pair_q = items.q_indices if one_seg else np.repeat(items.q_indices, nseg)
+    vis = np.minimum(items.seg_hi[pair_seg], tree.sees(items.seg_node[pair_seg], pair_q))
+    vis -= items.seg_lo[pair_seg]
+    np.maximum(vis, 0, out=vis)
+    if one_seg:
+        return vis
+    # sum over each pair's segments (pairs are in order, each with nseg consecutive entries)
+    csum = np.zeros(vis.size + 1, dtype=np.int64)
+    np.cumsum(vis, out=csum[1:])
+    end = np.cumsum(nseg)
+    return csum[end] - csum[end - nseg]
+
+
+#: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
+#: keeping the pointer alignment the kernels are specialised for.
+_ALIGN = 16
+#: Mean segment length from which the KV slot list is copied segment by segment.
+_SLICE_MIN_TOKENS = 256
+
+
+def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
+    """int32 tensors on ``device`` for the arrays (``None`` stays ``None``) and their int32 host
+    copies, which CPU tensors share; other devices get them in one copy of one buffer."""
+    device = torch.device(device)
+    tensors = dict.fromkeys(arrays)
+    if device.type == "cpu":
+        host = {k: np.ascontiguousarray(a, dtype=np.int32) for k, a in arrays.items() if a is not None}
+        tensors.update((k, torch.from_numpy(h)) for k, h in host.items())
+        return tensors, host
+    spans, at = {}, 0
+    for k, a in arrays.items():
+        if a is not None:
+            spans[k] = (at, at + a.size)
+            at += -(-a.size // _ALIGN) * _ALIGN
+    buf = np.empty(at, dtype=np.int32)
+    host = {}
+    for k, (lo, hi) in spans.items():
+        buf[lo:hi] = arrays[k]
+        host[k] = buf[lo:hi]
+    dev = torch.from_numpy(buf).to(device)
+    tensors.update((k, dev[lo:hi]) for k, (lo, hi) in spans.items())
+    return tensors, host
+
+
+def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """int32: ``tree.kv_indices[start:start + count]`` of every segment, concatenated."""
+    if count.size * _SLICE_MIN_TOKENS <= count.sum():
+        # long segments: slice copies are cheaper than a per-token index array
+        kv = tree.kv_indices
+        return np.concatenate([kv[a:b] for a, b in zip(start.tolist(), (start + count).tolist())]
+                              + [np.zeros(0, np.int64)], dtype=np.int32)
+    return tree.kv_indices[ranges(start, start + count)].astype(np.int32)
+
+
+def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, total: int) -> np.ndarray:
+    """int32 [total]: position in its node of every entry of segments of ``seg_len`` entries,
+    ``seg_lo`` the first's and ``seg_kv`` where each segment's entries start."""
+    pos = np.arange(total, dtype=np.int32)
+    pos -= np.repeat((seg_kv - seg_lo).astype(np.int32, copy=False), seg_len)
+    return pos
+
+
+def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
+    """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
+    return np.cumsum(np.bincount(start_tails, minlength=n_tails + 1)
+                     - np.bincount(end_tails, minlength=n_tails + 1))[:-1]
+
+
+def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
+               device="cpu", reason: str = "", requested_strategy: str | None = None,
+               candidates: tuple = ()) -> Plan:
+    """Lower planner work items to a :class:`Plan`.
+
+    Drops empty segments, items without tokens or queries; picks each item's query tile;
+    builds the KV slot list, the merge map, the tree mask (only when needed) and the IO report.
+    """
+    topo = tree.topology
+    group = heads.group
+    # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
+    # (long-KV split) can leave a query of a partially visible node with nothing in a chunk;
+    # such pairs are dropped, then items without tokens or queries.
+    if np.any(items.seg_hi < items.seg_lo):
+        raise ValueError("planner produced a segment with negative length")
+    length = items.item_len
+    q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+    vis = _pair_visibility(tree, items, q_item) if items.q_tokens is None else items.q_tokens
+    keep_pair = vis > 0
+    if not keep_pair.all():
+        counts = np.bincount(q_item[keep_pair], minlength=items.num_items)
+        items = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi,
+                          np.concatenate(([0], np.cumsum(counts))), items.q_indices[keep_pair])
+        vis = vis[keep_pair]
+        q_item = q_item[keep_pair]
+    nq = items.item_queries
+    partial = vis < length[q_item]
+    needs_mask = bool(np.any(partial))
+    # items some query sees only part of: their launches apply the mask (every launch when the
+    # plan has none: a mask added later, for decode windows, applies everywhere)
+    item_masked = (np.bincount(q_item[partial], minlength=items.num_items) > 0 if needs_mask
+                   else np.ones(items.num_items, dtype=bool))
+    keep = np.flatnonzero((length > 0) & (nq > 0))
+    length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
+    # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
+    # (query tile, KV tile config); ``shape`` numbers them in launch order
+    m_choices = np.array(_block_m_choices(group))
+    m_idx = np.minimum(np.searchsorted(m_choices, nq * group), m_choices.size - 1)
+    long_cfg = TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256
+    kv_cfgs = sorted({TILE_SHORT, long_cfg})  # KV tile configs by block_n
+    shape = m_idx * len(kv_cfgs)
+    if len(kv_cfgs) > 1:
+        shape += (length > SHORT_ITEM_TOKENS) == (kv_cfgs[1] == long_cfg)
+    # launch order: by shape, longest items first inside a launch so the long programs start
+    # early (less tail)
+    order = np.lexsort((-length, shape))
+    length, nq, shape, item_masked = length[order], nq[order], shape[order], item_masked[order]
+    keep = keep[order]
+    n_items = keep.size
+    block_m = m_choices[shape // len(kv_cfgs)]
+    q_per_tile = np.maximum(block_m // group, 1)
+    tiles = -(-nq // q_per_tile)
+    # segments and queries, item after item
+    seg = ranges(items.seg_indptr[keep], items.seg_indptr[keep + 1])
+    seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
+    q_start = items.q_indptr[keep]
+    row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
+    # KV slots
+    seg_len = seg_hi - seg_lo
+    kv_indices = _gather_slots(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len)
+    seg_kv = np.cumsum(seg_len) - seg_len  # each segment's first entry
+    # entries holding the last token of their node: at most one per segment
+    node_len = tree.lengths[seg_node]
+    at_tail = (seg_lo < node_len) & (node_len <= seg_hi)
+    tail = (seg_kv + node_len - 1 - seg_lo)[at_tail]
+    item_kv_start = np.concatenate(([0], np.cumsum(length)))[:-1]
+    # work units = query tiles
+    w_item = np.repeat(np.arange(n_items), tiles)
+    w_first = np.cumsum(tiles) - tiles
+    w_tile = np.arange(w_item.size) - w_first[w_item]
+    w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
+    work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
+    work_kv_start = item_kv_start[w_item]
+    work_kv_end = work_kv_start + length[w_item]
+    merge_order = group_order(row_q, tree.num_queries)
+    if merge_order is None:
+        merge_order = np.arange(row_q.size)
+    q_rows = np.bincount(row_q, minlength=tree.num_queries)
+    merge_indptr = np.concatenate(([0], np.cumsum(q_rows)))
+    row_direct = q_rows[row_q] == 1
+    num_direct = int(np.count_nonzero(row_direct))
+    merge_q = np.flatnonzero(q_rows != 1)
+    # launches: items (so work units) are grouped by shape. A launch applies the tree mask when
+    # one of its items needs it (an extra launch would cost more)
+    first = [0] + (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
+    if n_items:
+        item_masked = np.repeat(np.logical_or.reduceat(item_masked, first), np.diff(first + [n_items]))
+    w_bounds = np.append(w_first, w_item.size).tolist()
+    launches = []
+    for a, b in zip(first, first[1:] + [n_items]):
+        if w_bounds[b] > w_bounds[a]:
+            block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
+            launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
+                                   masked=bool(item_masked[a])))
+    # tree mask, built as int32: each entry's node range and position in its node
+    mask, seg_mask = [None] * 5, [None] * 5
+    if needs_mask:
+        seg_mask = [seg_len, seg_lo.astype(np.int32), topo.tin[seg_node].astype(np.int32),
+                    topo.tout[seg_node].astype(np.int32), np.flatnonzero(at_tail)]
+        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
+                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size),
+                topo.tin[tree.query_nodes], tree.query_prefix]
+    # IO
+    hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
+    kv_tok = int(length.sum())
+    kv_tok_tiles = int((length * tiles).sum())
+    io = PlanIO(
+        kv=kv_tok * hkv * d * 2 * eb,
+        kv_tile_rereads=(kv_tok_tiles - kv_tok) * hkv * d * 2 * eb,
+        queries=int(row_q.size) * hq * d * eb,
+        partial_write=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
+        partial_read=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
+        mask=int((length * tiles)[item_masked].sum()) * 3 * 4 * hkv if needs_mask else 0,
+        index=kv_tok_tiles * 4 * hkv,
+        output=tree.num_queries * hq * d * eb,
+    )
+    t, h = _to_tensors({
+        "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
+        "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
+        "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
+        "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
+        "query_pos": mask[3], "query_prefix": mask[4]}, device)
+    min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
+    tail_node = seg_node[at_tail].astype(np.intp, copy=False)
+    start_tails = np.searchsorted(tail, work_kv_start)
+    w_masked = item_masked[w_item]
+    end_tails = np.searchsorted(tail, work_kv_end)
+    return Plan(
+        strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
+        num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
+        kv_indices=t["kv_indices"], work_kv_start=t["work_kv_start"], work_kv_end=t["work_kv_end"],
+        work_row_indptr=t["work_row_indptr"], row_q_indices=t["row_q_indices"],
+        merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], row_direct=t["row_direct"],
+        merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
+        mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
+        query_prefix=t["query_prefix"], launches=tuple(launches), io=io, num_items=n_items, reason=reason,
+        candidates=candidates,
+        host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
+                      tail_node=tail_node, seg_len=seg_mask[0], seg_lo=seg_mask[1], seg_tin=seg_mask[2],
+                      seg_tout=seg_mask[3], tail_seg=seg_mask[4],
+                      work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
+                      start_tails=start_tails, end_tails=end_tails,
+                      tail_cover=_cover(start_tails, end_tails, tail.size),
+                      tail_cover_masked=_cover(start_tails[w_masked], end_tails[w_masked], tail.size),
+                      saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
+    )
