@@ -3,6 +3,7 @@ reference, over strategies, tree shapes, page sizes, GQA ratios, head dims and d
 
 The full grid is too large for CI's two cores, so each axis is covered by a sampled case list
 in which every strategy, dtype, head dim, GQA ratio, page size and tree family appears."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -149,8 +150,43 @@ def test_precompile_launches_every_variant():
     heads = HeadConfig(8, 2, 16, torch.float32)
     shapes = launch_shapes(heads)
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
-    # x2 for the direct-output variant; merge head blocks 1, 2, 4, 8 with and without LSE
-    assert precompile(heads, page_size=16, device="cpu") == 2 * 2 * len(shapes) + 2 * 4
+    # x2 for the direct-output variant, x2 for the grid order; merge head blocks 1, 2, 4, 8 with
+    # and without LSE
+    assert precompile(heads, page_size=16, device="cpu") == 2 * 2 * 2 * len(shapes) + 2 * 4
+
+
+@pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
+                                               ("flatten", "1,3_40,9", 1)])
+def test_heads_inner_grid_order_matches_reference(rng, strategy, spec, hkv):
+    """A launch whose grid runs a work unit's KV heads side by side (``heads_inner``; the builder
+    sets it for long work units) computes the same result; forced on every launch here."""
+    tree = tree_from_spec(spec)
+    q, k, v = (torch.randn(n, h, 32) for n, h in ((tree.num_queries, 4), (tree.num_tokens, hkv),
+                                                   (tree.num_tokens, hkv)))
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=hkv, head_dim=32, dtype=torch.float32,
+                  strategy=strategy)
+    inner = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, heads_inner=True)
+                                                     for ln in plan.launches))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((tree.num_queries, 4), float("nan"))
+    w.run(q, k[:, None], v[:, None], inner, out=out, lse=lse)
+    o_ref, lse_ref = reference_attention(q, k[:, None], v[:, None], tree)
+    assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
+
+
+def test_builder_orders_heads_inner_for_long_work_units():
+    """Long work units (>= HEADS_INNER_MIN_TOKENS KV tokens on average in a launch) get the
+    heads-inner grid order; short ones keep the work-unit-major order."""
+    from treeattn.plan.plan import HEADS_INNER_MIN_TOKENS
+
+    w = TreeAttention(backend="triton", cost=CostModel(target_programs=1))  # no KV split
+    long_plan = w.plan(tree_from_spec(f"4_{HEADS_INNER_MIN_TOKENS}"), num_qo_heads=8, num_kv_heads=2,
+                       head_dim=32, strategy="sequence")
+    short_plan = w.plan(tree_from_spec("4_100"), num_qo_heads=8, num_kv_heads=2, head_dim=32,
+                        strategy="sequence")
+    assert all(ln.heads_inner for ln in long_plan.launches)
+    assert not any(ln.heads_inner for ln in short_plan.launches)
 
 
 @pytest.mark.parametrize("strategy,spec", [("sequence", "1,3_9,5"), ("flatten", "1,3_600,5"),

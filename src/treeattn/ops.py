@@ -108,12 +108,13 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         stream.wait_stream(main)
 
     def launch_group(launch) -> None:
-        grid = (launch.work_end - launch.work_start, h.num_kv_heads)
+        units = launch.work_end - launch.work_start
+        grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
         _tree_partial_attention_kernel[grid](
             q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
-            launch.work_start, sm_scale * LOG2E.value, layer, layer_stride,
+            launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -121,7 +122,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
-            HAS_MASK=plan.has_mask and launch.masked, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            HAS_MASK=plan.has_mask and launch.masked, HEADS_INNER=launch.heads_inner, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
@@ -184,9 +185,10 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        for (m, n, warps, stages), direct in itertools.product(launch_shapes(heads), (0, plan.num_direct)):
-            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages),),
-                                         num_direct=direct)
+        for (m, n, warps, stages), direct, inner in itertools.product(
+                launch_shapes(heads), (0, plan.num_direct), (False, True)):
+            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
+                                                                heads_inner=inner),), num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1
     cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))

@@ -20,7 +20,7 @@ def _tree_partial_attention_kernel(
     Q, K, V, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices, row_direct,
     mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
-    work_offset, qk_scale, kv_layer, stride_layer,
+    work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer,
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -28,7 +28,7 @@ def _tree_partial_attention_kernel(
     stride_on, stride_oh, stride_ln,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_MASK: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_MASK: tl.constexpr, HEADS_INNER: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = one query tile of one work item, for one KV head.
@@ -43,8 +43,14 @@ def _tree_partial_attention_kernel(
     they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
     all have one row needs no merge launch.
     """
-    work = tl.program_id(0) + work_offset
-    kv_head = tl.program_id(1)
+    if HEADS_INNER:
+        # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
+        # rows (contiguous in the cache) at about the same time
+        work = tl.program_id(0) // num_kv_heads + work_offset
+        kv_head = tl.program_id(0) % num_kv_heads
+    else:
+        work = tl.program_id(0) + work_offset
+        kv_head = tl.program_id(1)
     # the caches of layer kv_layer[0] (read on the device, so one CUDA graph serves every layer)
     layer_offset = tl.load(kv_layer).to(tl.int64) * stride_layer
     K += layer_offset

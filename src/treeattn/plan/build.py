@@ -8,6 +8,7 @@ import torch
 
 from treeattn.plan.items import WorkItems, group_order
 from treeattn.plan.plan import (
+    HEADS_INNER_MIN_TOKENS,
     SHORT_ITEM_TOKENS,
     TILE_LONG,
     TILE_LONG_HEAD256,
@@ -188,12 +189,16 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     if n_items:
         item_masked = np.repeat(np.logical_or.reduceat(item_masked, first), np.diff(first + [n_items]))
     w_bounds = np.append(w_first, w_item.size).tolist()
+    # KV tokens of each launch's work units, for the grid order (a tile re-reads its item's KV)
+    unit_tokens = np.concatenate(([0], np.cumsum(length * tiles)))[first + [n_items]].tolist()
     launches = []
-    for a, b in zip(first, first[1:] + [n_items]):
+    for i, (a, b) in enumerate(zip(first, first[1:] + [n_items])):
         if w_bounds[b] > w_bounds[a]:
             block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
+            mean_tokens = (unit_tokens[i + 1] - unit_tokens[i]) / (w_bounds[b] - w_bounds[a])
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
-                                   masked=bool(item_masked[a])))
+                                   masked=bool(item_masked[a]),
+                                   heads_inner=mean_tokens >= HEADS_INNER_MIN_TOKENS))
     # tree mask, built as int32: each entry's node range and position in its node
     mask, seg_mask = [None] * 5, [None] * 5
     if needs_mask:

@@ -91,6 +91,11 @@ class Launch:
     ``masked``: the launch applies the plan's tree mask when the plan has one. The builder clears
     it for the launches of a masked plan whose queries all see their items whole (a long context
     under a speculative token tree), which then skip the mask's loads and compares.
+
+    ``heads_inner``: the grid runs a work unit's KV heads next to each other (one grid dimension,
+    the KV head varying fastest) instead of all work units of one KV head first. The builder sets
+    it for launches of long work units: programs reading the same tokens' ``[Hkv, D]`` rows at the
+    same time share DRAM pages.
     """
 
     block_m: int
@@ -100,6 +105,7 @@ class Launch:
     num_warps: int = 4
     num_stages: int = 2
     masked: bool = True
+    heads_inner: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -266,6 +272,9 @@ SHORT_ITEM_TOKENS = 48
 TILE_SHORT = (32, 4, 2)
 TILE_LONG = (64, 4, 3)
 TILE_LONG_HEAD256 = (32, 4, 2)
+#: Mean KV tokens per work unit from which a launch orders its grid KV head fastest
+#: (:attr:`Launch.heads_inner`); measured on an H200 (benchmarks/sweep_grid_order.py).
+HEADS_INNER_MIN_TOKENS = 512
 
 
 def launch_shapes(heads: HeadConfig) -> list:
