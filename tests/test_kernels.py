@@ -177,7 +177,8 @@ def test_heads_inner_grid_order_matches_reference(rng, strategy, spec, hkv):
 
 def test_builder_orders_heads_inner_for_long_work_units():
     """Long work units (>= HEADS_INNER_MIN_TOKENS KV tokens on average in a launch) get the
-    heads-inner grid order; short ones keep the work-unit-major order."""
+    heads-inner grid order; short ones, and items with several query tiles, keep the
+    work-unit-major order."""
     from treeattn.plan.plan import HEADS_INNER_MIN_TOKENS
 
     w = TreeAttention(backend="triton", cost=CostModel(target_programs=1))  # no KV split
@@ -185,8 +186,12 @@ def test_builder_orders_heads_inner_for_long_work_units():
                        head_dim=32, strategy="sequence")
     short_plan = w.plan(tree_from_spec("4_100"), num_qo_heads=8, num_kv_heads=2, head_dim=32,
                         strategy="sequence")
+    tiled_plan = w.plan(tree_from_spec(f"1,64_{HEADS_INNER_MIN_TOKENS},1"), num_qo_heads=8, num_kv_heads=2,
+                        head_dim=32, strategy="node")
     assert all(ln.heads_inner for ln in long_plan.launches)
     assert not any(ln.heads_inner for ln in short_plan.launches)
+    assert not any(ln.heads_inner for ln in tiled_plan.launches)
+    assert max(ln.block_m for ln in tiled_plan.launches) == 128  # the root item: 256 rows, 2 tiles
 
 
 @pytest.mark.parametrize("strategy,spec", [("sequence", "1,3_9,5"), ("flatten", "1,3_600,5"),

@@ -189,16 +189,18 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     if n_items:
         item_masked = np.repeat(np.logical_or.reduceat(item_masked, first), np.diff(first + [n_items]))
     w_bounds = np.append(w_first, w_item.size).tolist()
-    # KV tokens of each launch's work units, for the grid order (a tile re-reads its item's KV)
-    unit_tokens = np.concatenate(([0], np.cumsum(length * tiles)))[first + [n_items]].tolist()
+    # grid order: KV heads side by side for launches of long work units, unless an item has
+    # several query tiles (those re-read the item's KV, and hit L2 when adjacent in the grid)
+    bounds = first + [n_items]
+    item_tokens = np.concatenate(([0], np.cumsum(length)))[bounds].tolist()
+    multi_tile = np.logical_or.reduceat(tiles > 1, first).tolist() if n_items else []
     launches = []
-    for i, (a, b) in enumerate(zip(first, first[1:] + [n_items])):
+    for i, (a, b) in enumerate(zip(first, bounds[1:])):
         if w_bounds[b] > w_bounds[a]:
             block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
-            mean_tokens = (unit_tokens[i + 1] - unit_tokens[i]) / (w_bounds[b] - w_bounds[a])
+            long_units = item_tokens[i + 1] - item_tokens[i] >= HEADS_INNER_MIN_TOKENS * (b - a)
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
-                                   masked=bool(item_masked[a]),
-                                   heads_inner=mean_tokens >= HEADS_INNER_MIN_TOKENS))
+                                   masked=bool(item_masked[a]), heads_inner=long_units and not multi_tile[i]))
     # tree mask, built as int32: each entry's node range and position in its node
     mask, seg_mask = [None] * 5, [None] * 5
     if needs_mask:

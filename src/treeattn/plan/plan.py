@@ -94,8 +94,8 @@ class Launch:
 
     ``heads_inner``: the grid runs a work unit's KV heads next to each other (one grid dimension,
     the KV head varying fastest) instead of all work units of one KV head first. The builder sets
-    it for launches of long work units: programs reading the same tokens' ``[Hkv, D]`` rows at the
-    same time share DRAM pages.
+    it for launches of long work units whose items have one query tile each: programs reading the
+    same tokens' ``[Hkv, D]`` rows at the same time share DRAM pages.
     """
 
     block_m: int
@@ -272,8 +272,8 @@ SHORT_ITEM_TOKENS = 48
 TILE_SHORT = (32, 4, 2)
 TILE_LONG = (64, 4, 3)
 TILE_LONG_HEAD256 = (32, 4, 2)
-#: Mean KV tokens per work unit from which a launch orders its grid KV head fastest
-#: (:attr:`Launch.heads_inner`); measured on an H200 (benchmarks/sweep_grid_order.py).
+#: Mean KV tokens per item from which a launch orders its grid KV head fastest
+#: (:attr:`Launch.heads_inner`); measured on an H200 (benchmarks/sweep_grid_order.py, NOTES.md).
 HEADS_INNER_MIN_TOKENS = 512
 
 
