@@ -139,10 +139,11 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
-                   lse_out: torch.Tensor | None) -> None:
+                   lse_out: torch.Tensor | None, *, block_h: int | None = None, num_warps: int = 4) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
-    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``."""
+    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``block_h`` (heads per program, a
+    power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py)."""
     _check_triton_device(o_part)
     heads, d = out.shape[1:]
     n = merge_q_indices.numel()
@@ -152,7 +153,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     # each program walks its query's partial rows one after another (latency-bound), so give the
     # grid at least ~1024 programs before packing several heads into one
     cap = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
-    block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
+    if block_h is None:
+        block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     _merge_states_kernel[grid](
@@ -160,7 +162,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
