@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import rel_l2
+from treeattn.ops import merge_config, merge_partials
 from treeattn import (STRATEGIES, DecodingTree, KVPool, KVPoolOutOfMemory, TreeAttention,
                       merge_states, reference_attention, tree_attention)
 
@@ -180,6 +181,25 @@ def test_merge_states_many_rows_matches_torch(device, s):
     keep = torch.ones(n, dtype=torch.bool)
     keep[1] = False
     assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6
+
+
+@pytest.mark.parametrize("block_h,num_warps", [(4, 2), (1, 1)])
+def test_merge_states_launch_configs_match_torch(device, block_h, num_warps):
+    """The merge's other launch configs (4 heads and 2 warps a program: what many queries get)."""
+    n, s, heads, d = 30, 3, 16, 16
+    o = torch.randn(n, s, heads, d, device=device)
+    lse = torch.randn(n, s, heads, device=device) * 3
+    lse[5, 1] = float("-inf")
+    idx = torch.arange(n * s + 1, dtype=torch.int32, device=device)
+    out = torch.empty(n, heads, d, device=device)
+    lse_out = torch.empty(n, heads, device=device)
+    with pytest.raises(ValueError, match="merge_indptr must be a contiguous int32"):
+        merge_partials(o.view(n * s, heads, d), lse.view(n * s, heads), idx[:n], idx[::s], idx[:-1], out, None)
+    merge_partials(o.view(n * s, heads, d), lse.view(n * s, heads), idx[:n], idx[::s].contiguous(), idx[:-1],
+                   out, lse_out, block_h=block_h, num_warps=num_warps)
+    ro, rl = merge_states(o.cpu(), lse.cpu(), backend="torch")
+    assert rel_l2(out.cpu(), ro) <= 1e-5 and rel_l2(lse_out.cpu(), rl) <= 1e-6
+    assert merge_config(1024, 32, 128) == (4, 2) and merge_config(64, 32, 128) == (2, 4)
 
 
 @pytest.mark.parametrize("strategy", ["sequence", "greedy", "flatten"])

@@ -139,22 +139,25 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
-                   lse_out: torch.Tensor | None, *, block_h: int | None = None, num_warps: int = 4) -> None:
+                   lse_out: torch.Tensor | None, *, block_h: int | None = None,
+                   num_warps: int | None = None) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
     ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``block_h`` (heads per program, a
     power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py)."""
     _check_triton_device(o_part)
+    for name, t in (("merge_q_indices", merge_q_indices), ("merge_indptr", merge_indptr),
+                    ("merge_indices", merge_indices)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor (got {t.dtype}, strides {t.stride()})")
     heads, d = out.shape[1:]
     n = merge_q_indices.numel()
     if n == 0:
         return
     block_d = triton.next_power_of_2(d)
-    # each program walks its query's partial rows one after another (latency-bound), so give the
-    # grid at least ~1024 programs before packing several heads into one
-    cap = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
     if block_h is None:
-        block_h = max(1, min(cap, 1 << max(0, (n * heads // 1024).bit_length() - 1)))
+        block_h, default_warps = merge_config(n, heads, d)
+        num_warps = num_warps or default_warps
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     _merge_states_kernel[grid](
@@ -162,8 +165,23 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
-        num_warps=num_warps,
+        num_warps=num_warps or 4,
     )
+
+
+def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    """``(heads per program, warps)`` of the merge of ``num_queries`` queries."""
+    # each program walks its query's partial rows one after another (latency-bound), so give the
+    # grid at least ~1024 programs before packing several heads into one
+    block_d = triton.next_power_of_2(head_dim)
+    cap = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_d))
+    block_h = max(1, min(cap, 1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
+    if block_h >= 16:
+        # many queries: 4 heads a program and 2 warps keep more rows' loads in flight than 16-32
+        # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees
+        # (benchmarks/sweep_merge.py, NOTES.md)
+        return 4, 2
+    return block_h, 4
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
