@@ -16,7 +16,7 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "balance_split", "glued_items", "group_order", "items_from_groups", "split_long_items"]
+__all__ = ["WorkItems", "DeferredItems", "balance_split", "glued_items", "group_order", "items_from_groups", "split_long_items"]
 
 
 @dataclass(frozen=True)
@@ -152,34 +152,53 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
 
 
 def _made_field(name: str) -> property:
-    return property(lambda self: getattr(self.made, name), doc="See :class:`WorkItems` (makes the chunks).")
+    return property(lambda self: getattr(self.made, name), doc="See :class:`WorkItems` (makes them).")
 
 
-class _SplitItems(WorkItems):
-    """:func:`split_long_items`'s result: ``chunks[i]`` chunks of ``chunk_len[i]`` tokens for item
-    ``i`` of ``source`` (the last one shorter). The chunks' lengths, query counts and merge rows are
-    known at once; their segments and queries are made when first read. The cost model rates items
-    from the former alone, so ``auto``, which rates every strategy's items, makes the latter only
-    for the strategy it chooses."""
+class DeferredItems(WorkItems):
+    """Work items whose lengths and query counts are known at once and whose segments and
+    queries ``make()`` returns (as :class:`WorkItems`) when first read. The cost model rates items
+    from their lengths, query counts and merge rows alone, so ``auto``, which rates every
+    strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
+    the items' (item, query) pairs in any order, for the merge rows."""
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
-    masked = None  # (split items are never flagged)
+    masked = None  # (deferred items are never flagged)
 
-    def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
+    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None):
         # (frozen dataclass: values go straight into the instance dict)
-        n = source.num_items
-        base = _indptr(chunks)
-        chunk_item = np.repeat(np.arange(n), chunks)
-        cl = chunk_len[chunk_item]
-        self.__dict__.update(
-            source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item, chunk_base=base,
-            item_queries=source.item_queries[chunk_item],
-            item_len=np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl))
+        self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query))
 
     @property
     def num_items(self) -> int:
         return int(self.item_len.size)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        q_item, q_query = self._pairs
+        q = q_query if used.all() else q_query[used[q_item]]
+        return int(np.bincount(q).max()) if q.size else 0
+
+    @functools.cached_property
+    def made(self) -> WorkItems:
+        """The items as plain :class:`WorkItems`."""
+        return self._make().with_item_len(self.item_len)
+
+
+class _SplitItems(DeferredItems):
+    """:func:`split_long_items`'s result: ``chunks[i]`` chunks of ``chunk_len[i]`` tokens for item
+    ``i`` of ``source`` (the last one shorter)."""
+
+    def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
+        n = source.num_items
+        base = _indptr(chunks)
+        chunk_item = np.repeat(np.arange(n), chunks)
+        cl = chunk_len[chunk_item]
+        super().__init__(
+            np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl),
+            source.item_queries[chunk_item], self._split)
+        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
+                             chunk_base=base)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each query of a source item is in that item's used chunks (counted per query with
@@ -190,9 +209,7 @@ class _SplitItems(WorkItems):
             return 0
         return int(np.bincount(src.q_indices, np.repeat(used_chunks, src.item_queries)).max())
 
-    @functools.cached_property
-    def made(self) -> WorkItems:
-        """The chunks as plain :class:`WorkItems`."""
+    def _split(self) -> WorkItems:
         items, chunk_len, chunk_item, new_item_base = self.source, self.chunk_len, self.chunk_item, self.chunk_base
         n = items.num_items
         num_new = int(new_item_base[-1])
@@ -222,8 +239,7 @@ class _SplitItems(WorkItems):
         # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
         # already grouped by new item
         return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
-                         piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new,
-                         q_tokens).with_item_len(self.item_len)
+                         piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
 
 
 def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
