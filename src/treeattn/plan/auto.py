@@ -2,7 +2,6 @@
 fastest, saying why in ``plan.explain()``."""
 from __future__ import annotations
 
-
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig

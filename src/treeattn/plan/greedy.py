@@ -25,7 +25,7 @@ def _padding(n: np.ndarray, tile: int) -> np.ndarray:
     """Padding of ``n`` up to a multiple of ``tile``: FastTree's ``tile - ((n - 1) % tile + 1)``
     (floor modulo, as Python's), which is ``-n % tile`` for every integer ``n`` (``-n & (tile -
     1)`` when ``tile`` is a power of two: a few times cheaper)."""
-    if tile & (tile - 1) == 0:
+    if (tile & (tile - 1)) == 0:
         return -n & (tile - 1)
     return -n % tile
 

@@ -16,7 +16,8 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "DeferredItems", "balance_split", "glued_items", "group_order", "items_from_groups", "split_long_items"]
+__all__ = ["WorkItems", "DeferredItems", "balance_split", "glued_items", "group_order", "items_from_groups",
+           "split_long_items"]
 
 
 @dataclass(frozen=True)
@@ -234,7 +235,8 @@ class _SplitItems(DeferredItems):
         q_cnt = self.item_queries
         q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
         q_tokens = None
-        if items.q_tokens is not None and np.array_equal(items.q_tokens, np.repeat(items.item_len, items.item_queries)):
+        if items.q_tokens is not None and np.array_equal(items.q_tokens,
+                                                         np.repeat(items.item_len, items.item_queries)):
             q_tokens = np.repeat(self.item_len, q_cnt)  # queries that saw their items whole see every chunk whole
         # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
         # already grouped by new item
