@@ -6,7 +6,7 @@ import torch
 from helpers import random_tree
 from treeattn import HeadConfig
 from treeattn.plan import PLANNERS, CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, split_long_items
+from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups, split_long_items
 from treeattn.topology import ranges
 
 
@@ -84,3 +84,24 @@ def test_take_keeps_content(rng):
     taken = items.take(perm)
     np.testing.assert_array_equal(taken.item_len, items.item_len[perm])
     np.testing.assert_array_equal(taken.item_queries, items.item_queries[perm])
+
+
+@pytest.mark.parametrize("strategy", sorted(PLANNERS))
+def test_deferred_items_summary_matches_made_items(rng, strategy):
+    # what the cost model reads before the items are made (lengths, query counts, merge rows)
+    # agrees with the made items, for the used items and for any subset
+    for _ in range(10):
+        tree = random_tree(rng, int(rng.integers(1, 40)), 300, roots=int(rng.integers(1, 3)),
+                           inner_queries=True)
+        items, _ = PLANNERS[strategy](tree, HEADS, CostModel(min_split_tokens=16, deft_chunk_tokens=24))
+        for deferred in (items, split_long_items(items, int(rng.integers(1, 64)))):
+            if not isinstance(deferred, DeferredItems):
+                continue
+            made = deferred.made
+            assert type(made) is WorkItems
+            np.testing.assert_array_equal(deferred.item_len, WorkItems.__dict__["item_len"].func(made))
+            np.testing.assert_array_equal(deferred.item_queries, made.q_indptr[1:] - made.q_indptr[:-1])
+            assert deferred.num_items == made.num_items
+            used = (deferred.item_len > 0) & (deferred.item_queries > 0)
+            for subset in (used, used & (rng.random(used.size) < 0.5), np.zeros_like(used)):
+                assert deferred.merge_rows_max(subset) == made.merge_rows_max(subset)

@@ -22,6 +22,7 @@ class _Shape:
     tout: np.ndarray
     child_indptr: np.ndarray
     child_indices: np.ndarray
+    levels: tuple
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Topology(_Shape):
         ``a`` is an ancestor-or-self of ``b`` iff ``tin[a] <= tin[b] < tout[a]``.
     child_indptr, child_indices : int64 [N + 1], [N - roots]
         Children of each node (CSR), in increasing id order.
+    levels : tuple of int64 arrays
+        The nodes of each depth, roots first (a level's nodes grouped by parent).
     path_tokens : int64 [N]
         Tokens of all proper ancestors of each node.
     flat_start : int64 [N]
@@ -98,7 +101,7 @@ def _shape(parents: np.ndarray) -> _Shape:
     order = np.empty(n, dtype=np.int64)
     order[tin] = np.arange(n)
     return _Shape(depth=depth, order=order, tin=tin, tout=tin + size, child_indptr=child_indptr,
-                  child_indices=child_order)
+                  child_indices=child_order, levels=tuple(levels))
 
 
 def build_topology(shape: _Shape, lengths: np.ndarray) -> Topology:
@@ -119,8 +122,20 @@ def root_paths(parents: np.ndarray, depth: np.ndarray, nodes: np.ndarray) -> tup
     """:meth:`DecodingTree.paths`."""
     nodes = np.asarray(nodes, dtype=np.int64)
     count = depth[nodes] + 1
-    end = np.cumsum(count)
     owner = np.repeat(np.arange(nodes.size), count)
+    top = int(count.max()) if count.size else 0
+    if nodes.size * top <= 2 * owner.size:
+        # paths of similar depths: every node's ancestors right-aligned in a [depth, node] table,
+        # one gather per level (the parent of -1 is -1), then read node by node, root first
+        up = np.append(parents, -1)
+        table = np.empty((top, nodes.size), dtype=np.int64)
+        cur = nodes
+        for row in range(top - 1, -1, -1):
+            table[row] = cur
+            cur = up[cur]
+        table = table.T
+        return owner, table.ravel() if owner.size == table.size else table[np.arange(top) >= top - count[:, None]]
+    end = np.cumsum(count)
     seg = np.empty(owner.size, dtype=np.int64)
     # walk up one level per step, writing each ancestor at its depth's slot of the path
     pos, cur = end - 1, nodes

@@ -2,8 +2,6 @@
 fastest, saying why in ``plan.explain()``."""
 from __future__ import annotations
 
-import numpy as np
-
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
@@ -50,13 +48,10 @@ def _estimate_inputs(tree: DecodingTree, items: WorkItems, visible_tokens: int, 
     merge chain, the queries, the unique KV tokens and whether (or which items) need the mask."""
     length, nq, item_masked = items.item_len, items.item_queries, items.masked
     used = (length > 0) & (nq > 0)
-    if used.all():
-        q_used = items.q_indices
-    else:
+    merge_rows_max = items.merge_rows_max(used)
+    if not used.all():
         length, nq = length[used], nq[used]
-        q_used = items.q_indices[np.repeat(used, items.item_queries)]
         item_masked = None if item_masked is None else item_masked[used]
-    merge_rows_max = int(np.bincount(q_used, minlength=tree.num_queries).max()) if q_used.size else 0
     # every visible token of a query is in exactly one of its items, so the items hold more
     # (item, query) tokens than the queries see iff some query sees only part of an item: the
     # plan needs the tree mask

@@ -84,7 +84,8 @@ def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> n
         kv = tree.kv_indices
         return np.concatenate([kv[a:b] for a, b in zip(start.tolist(), (start + count).tolist())]
                               + [np.zeros(0, np.int64)], dtype=np.int32)
-    return tree.kv_indices[ranges(start, start + count)].astype(np.int32)
+    idx = ranges(start, start + count)
+    return np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
 
 
 def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, total: int) -> np.ndarray:
@@ -114,7 +115,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
     # (long-KV split) can leave a query of a partially visible node with nothing in a chunk;
     # such pairs are dropped, then items without tokens or queries.
-    if np.any(items.seg_hi < items.seg_lo):
+    if (items.seg_hi < items.seg_lo).any():
         raise ValueError("planner produced a segment with negative length")
     length = items.item_len
     q_item = np.repeat(np.arange(items.num_items), items.item_queries)
@@ -128,7 +129,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         q_item = q_item[keep_pair]
     nq = items.item_queries
     partial = vis < length[q_item]
-    needs_mask = bool(np.any(partial))
+    needs_mask = bool(partial.any())
     # items some query sees only part of: their launches apply the mask (every launch when the
     # plan has none: a mask added later, for decode windows, applies everywhere)
     item_masked = (np.bincount(q_item[partial], minlength=items.num_items) > 0 if needs_mask

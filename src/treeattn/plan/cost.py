@@ -97,10 +97,9 @@ def _launches_many(sets: list, heads: HeadConfig) -> list:
     np.maximum.at(longest, shape, kv_tiles)
     flags = [False] * programs.size
     if any(s[2] is not None for s in sets):
-        hit = np.zeros(programs.size, dtype=bool)
-        np.logical_or.at(hit, shape, np.concatenate([np.zeros(n, dtype=bool) if s[2] is None else s[2]
-                                                     for n, s in zip(sizes, sets)]))
-        flags = hit.tolist()
+        # (a boolean ufunc.at is ~10x slower than counting the flagged items' shapes)
+        flagged = np.concatenate([np.zeros(n, dtype=bool) if s[2] is None else s[2] for n, s in zip(sizes, sets)])
+        flags = (np.bincount(shape[flagged], minlength=programs.size) > 0).tolist()
     hkv = heads.num_kv_heads
     launches = [(int(block_m[k % n_shapes // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k])
                 if p > 0 else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _segment_sum, items_from_groups
 from treeattn.plan.plan import HeadConfig
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -32,8 +32,8 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     piece_start = flat[piece_node]
     lo = np.maximum(piece_block * block, piece_start) - piece_start
     hi = np.minimum((piece_block + 1) * block, piece_start + extent[piece_node]) - piece_start
-    # queries of each block: those whose visible part of some node overlaps it, and the tokens
-    # of the block they see through that node
+    # queries of each block: those whose visible part of some node overlaps it (and, made only
+    # when the items are read, the tokens of the block they see through that node)
     q, node, visible = tree.visible_pairs
     pair_start = flat[node]
     pair_block = pair_start // block
@@ -41,10 +41,8 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     if span.any():  # (else every visible part lies in one block)
         pair_q = np.repeat(q, span + 1)
         pair_block = ranges(pair_block, pair_block + span + 1)
-        pair_start, pair_end = np.repeat(pair_start, span + 1), np.repeat(pair_start + visible, span + 1)
-        seen = np.minimum(pair_end, (pair_block + 1) * block) - np.maximum(pair_start, pair_block * block)
     else:
-        pair_q, seen = q, visible
+        pair_q = q
     # pairs go by query, root first, so each query's blocks are non-decreasing: merging repeats
     # of the previous (block, query) leaves each once, and grouping by block keeps queries sorted
     new = np.empty(pair_q.size, dtype=bool)
@@ -52,6 +50,19 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     np.not_equal(pair_block[1:], pair_block[:-1], out=new[1:])
     new[1:] |= pair_q[1:] != pair_q[:-1]
     new = np.flatnonzero(new)
-    items = items_from_groups(piece_block, piece_node, lo, hi, pair_block[new], pair_q[new], n_blocks,
-                              q_tokens=np.add.reduceat(seen, new))
+    q_block, q_query = pair_block[new], pair_q[new]
+
+    def make() -> WorkItems:
+        if span.any():
+            starts = np.repeat(pair_start, span + 1)
+            seen = (np.minimum(np.repeat(pair_start + visible, span + 1), (pair_block + 1) * block)
+                    - np.maximum(starts, pair_block * block))
+        else:
+            seen = visible
+        return items_from_groups(piece_block, piece_node, lo, hi, q_block, q_query, n_blocks,
+                                 q_tokens=np.add.reduceat(seen, new))
+
+    # pieces go by block (depth-first order)
+    item_len = _segment_sum(hi - lo, _indptr(np.bincount(piece_block, minlength=n_blocks)))
+    items = DeferredItems(item_len, np.bincount(q_block, minlength=n_blocks), make, q_block, q_query)
     return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"

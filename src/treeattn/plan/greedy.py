@@ -23,7 +23,10 @@ from treeattn.tree import DecodingTree
 
 def _padding(n: np.ndarray, tile: int) -> np.ndarray:
     """Padding of ``n`` up to a multiple of ``tile``: FastTree's ``tile - ((n - 1) % tile + 1)``
-    (floor modulo, as Python's), which is ``-n % tile`` for every integer ``n``."""
+    (floor modulo, as Python's), which is ``-n % tile`` for every integer ``n`` (``-n & (tile -
+    1)`` when ``tile`` is a power of two: a few times cheaper)."""
+    if (tile & (tile - 1)) == 0:
+        return -n & (tile - 1)
     return -n % tile
 
 
@@ -35,31 +38,25 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     earlier siblings' decisions (``nq_cur`` shrinks by every assigned sibling's rows). All edges
     are decided at once from a guess of those decisions, repeatedly, until nothing changes: the
     dependencies form a DAG, so the fixed point is unique and reached, and it is the sequential
-    algorithm's result. Costs are computed with the sequential algorithm's float operations in
-    its order (bit-identical decisions); they are in units of head_dim (every term has one factor
-    d): the padding cost of a group is ``alpha * Pad(TS_q, nQ) * len + beta * nQ * Pad(TS_c,
-    min(len, TS_c))`` (FastTree eqs. 3-7).
+    algorithm's result. Costs are in units of head_dim (every term has one factor d): the padding
+    cost of a group is ``alpha * Pad(TS_q, nQ) * len + beta * nQ * Pad(TS_c, min(len, TS_c))``
+    (FastTree eqs. 3-7). They are compared as the sequential algorithm does (bit-identical
+    decisions): with its float operations in its order, or, when every term is an integer that
+    float64 holds exactly (integral coefficients, the default), as their exact difference in
+    int64, which takes half the numpy calls.
     """
     topo = tree.topology
-    a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
-    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
     glued = np.zeros(tree.num_nodes, dtype=bool)
     kids = topo.child_indices  # by (parent, id)
     if kids.size == 0:
         return glued
     par = tree.parents[kids]
     sib = topo.child_indptr[par]  # each edge's first sibling
-    # terms of the child on its own (``a_pad_q_l`` and ``b_nq`` are the leading products of two
-    # terms of split_q)
-    nq, len_l = rows[kids], tree.lengths[kids]
-    rows_v = rows[par]
-    pad_q_l = _padding(nq, tq)
-    pad_l = a * pad_q_l * len_l
-    kv_l = b * nq * _padding(np.minimum(len_l, tc), tc)
-    reduce_l = g * nq
-    a_pad_q_l, b_nq = a * pad_q_l, b * nq
+    nq, len_l, rows_v = rows[kids], tree.lengths[kids], rows[par]
     # a node's group reads the tokens from the top of its glued chain: path tokens since the top
     through = topo.path_tokens + tree.lengths
+    costs = _exact_costs if _exact(cost, int(rows.max()), int(through.max())) else _float_costs
+    decide = costs(cost, nq, len_l)
     depth_bits = int(topo.depth.max()).bit_length()
     ids = np.arange(glued.size)
     while True:
@@ -67,21 +64,69 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
         for _ in range(depth_bits):
             top = top[top]
         len_v = (through - topo.path_tokens[top])[par]
-        len_lv = len_v + len_l
-        pad_kv_v = _padding(np.minimum(len_v, tc), tc)
         assigned = glued[kids]
         moved = nq * assigned  # rows that glued children take from the parent
         before = np.cumsum(moved) - moved
         nq_cur = rows_v - (before - before[sib])  # earlier siblings only
+        now = decide(len_v, nq_cur)
+        if np.array_equal(now, assigned):
+            return glued
+        glued[kids] = now
+
+
+def _exact(cost: CostModel, rows: int, tokens: int) -> bool:
+    """Whether every cost term, sum and difference is an integer below 2**53 (float64 exact)."""
+    a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
+    if not all(float(c).is_integer() for c in (a, b, g)):
+        return False
+    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
+    bound = 8 * (abs(a) * tq * 2 * tokens + abs(b) * rows * tc + abs(g) * rows + 1)
+    return bound < 2 ** 52
+
+
+def _float_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
+    """``decide(len_v, nq_cur)``: edge 1 is cheaper, with the sequential algorithm's float
+    operations in its order."""
+    a, b, g = cost.fasttree_alpha, cost.fasttree_beta, cost.fasttree_gamma
+    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
+    # terms of the child on its own (``a_pad_q_l`` and ``b_nq`` are the leading products of two
+    # terms of split_q)
+    pad_q_l = _padding(nq, tq)
+    pad_l = a * pad_q_l * len_l
+    kv_l = b * nq * _padding(np.minimum(len_l, tc), tc)
+    reduce_l = g * nq
+    a_pad_q_l, b_nq = a * pad_q_l, b * nq
+
+    def decide(len_v, nq_cur):
+        len_lv = len_v + len_l
+        pad_kv_v = _padding(np.minimum(len_v, tc), tc)
         nq_rest = nq_cur - nq
         split_kv = (a * _padding(nq_cur, tq) * len_v + b * nq_cur * pad_kv_v + pad_l + kv_l
                     + reduce_l)
         split_q = (a * _padding(nq_rest, tq) * len_v + b * nq_rest * pad_kv_v
                    + a_pad_q_l * len_lv + b_nq * _padding(np.minimum(len_lv, tc), tc))
-        now = split_kv > split_q
-        if np.array_equal(now, assigned):
-            return glued
-        glued[kids] = now
+        return split_kv > split_q
+    return decide
+
+
+def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
+    """:func:`_float_costs` for integral terms: ``split_kv - split_q > 0`` in int64, expanded
+    (``nq_rest = nq_cur - nq``; the ``alpha * Pad(nq_l) * len_l`` terms cancel) to
+    ``len_v * (a * (Pad(nq_cur) - Pad(nq_rest)) - a * Pad(nq_l)) + b * nq_l * (Pad(min(len_v,
+    TS_c)) - Pad(min(len_v + len_l, TS_c))) + b * nq_l * Pad(min(len_l, TS_c)) + g * nq_l``."""
+    a, b, g = int(cost.fasttree_alpha), int(cost.fasttree_beta), int(cost.fasttree_gamma)
+    tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
+    a_pad_q_l, b_nq = a * _padding(nq, tq), b * nq
+    const = b_nq * _padding(np.minimum(len_l, tc), tc) + g * nq
+
+    def decide(len_v, nq_cur):
+        per_token = _padding(nq_cur, tq) - _padding(nq_cur - nq, tq)
+        if a != 1:
+            per_token *= a
+        per_token -= a_pad_q_l
+        pad_kv = _padding(np.minimum(len_v, tc), tc) - _padding(np.minimum(len_v + len_l, tc), tc)
+        return len_v * per_token + b_nq * pad_kv + const > 0
+    return decide
 
 
 def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:

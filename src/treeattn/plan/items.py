@@ -16,7 +16,8 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "balance_split", "glued_items", "group_order", "items_from_groups", "split_long_items"]
+__all__ = ["WorkItems", "DeferredItems", "balance_split", "glued_items", "group_order", "items_from_groups",
+           "split_long_items"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,12 @@ class WorkItems:
         (:func:`treeattn.plan.auto.estimate_items` fills it)."""
         return {}
 
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
+        rows to merge (0 without used items)."""
+        q_used = self.q_indices if used.all() else self.q_indices[np.repeat(used, self.item_queries)]
+        return int(np.bincount(q_used).max()) if q_used.size else 0
+
     def take(self, keep: np.ndarray) -> "WorkItems":
         """The items selected by index array ``keep`` (in that order)."""
         if keep.size == self.num_items and (keep == np.arange(keep.size)).all():
@@ -131,8 +138,9 @@ def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_i
 def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int = 16) -> WorkItems:
     """Split every item longer than ``max_len`` (scalar or per item) into equal chunks of at most
     ``max_len`` tokens (rounded up to ``align``), each with all the item's queries: Flash-Decoding's
-    KV split, PAT's long-KV split and FastTree's long-context splitting."""
-    n = items.num_items
+    KV split, PAT's long-KV split and FastTree's long-context splitting.
+
+    The chunks' segments and queries are made when first read (:class:`_SplitItems`)."""
     length = items.item_len
     max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
     if not (length > max_len).any():
@@ -141,38 +149,99 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     chunk_len = -(-length // chunks)
     chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
     chunks = np.maximum(1, -(-length // chunk_len))
-    # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
-    seg_len = items.seg_hi - items.seg_lo
-    seg_item = np.repeat(np.arange(n), items.seg_indptr[1:] - items.seg_indptr[:-1])
-    csum = _indptr(seg_len)
-    seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
-    live = np.flatnonzero(seg_len > 0)
-    cl = chunk_len[seg_item[live]]
-    start0, len0 = seg_start[live], seg_len[live]
-    c0 = start0 // cl
-    pieces = (start0 + len0 - 1) // cl - c0 + 1
-    piece_seg = np.repeat(live, pieces)
-    piece_chunk = ranges(c0, c0 + pieces)
-    piece_cl = np.repeat(cl, pieces)
-    offset = seg_start[piece_seg]
-    start = np.maximum(piece_chunk * piece_cl, offset)
-    end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
-    piece_lo = items.seg_lo[piece_seg] + (start - offset)
-    new_item_base = _indptr(chunks)
-    num_new = int(new_item_base[-1])
-    piece_new_item = new_item_base[seg_item[piece_seg]] + piece_chunk
-    chunk_item = np.repeat(np.arange(n), chunks)
-    q_cnt = items.item_queries[chunk_item]
-    q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
-    cl = chunk_len[chunk_item]
-    new_len = np.minimum(cl, length[chunk_item] - (np.arange(num_new) - new_item_base[chunk_item]) * cl)
-    q_tokens = None
-    if items.q_tokens is not None and np.array_equal(items.q_tokens, np.repeat(length, items.item_queries)):
-        q_tokens = np.repeat(new_len, q_cnt)  # queries that saw their items whole see every chunk whole
-    # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
-    # already grouped by new item
-    return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
-                     piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens).with_item_len(new_len)
+    return _SplitItems(items, chunks, chunk_len)
+
+
+def _made_field(name: str) -> property:
+    return property(lambda self: getattr(self.made, name), doc="See :class:`WorkItems` (makes them).")
+
+
+class DeferredItems(WorkItems):
+    """Work items whose lengths and query counts are known at once and whose segments and
+    queries ``make()`` returns (as :class:`WorkItems`) when first read. The cost model rates items
+    from their lengths, query counts and merge rows alone, so ``auto``, which rates every
+    strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
+    the items' (item, query) pairs in any order, for the merge rows."""
+
+    seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
+    q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
+    masked = None  # (deferred items are never flagged)
+
+    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None):
+        # (frozen dataclass: values go straight into the instance dict)
+        self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query))
+
+    @property
+    def num_items(self) -> int:
+        return int(self.item_len.size)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        q_item, q_query = self._pairs
+        q = q_query if used.all() else q_query[used[q_item]]
+        return int(np.bincount(q).max()) if q.size else 0
+
+    @functools.cached_property
+    def made(self) -> WorkItems:
+        """The items as plain :class:`WorkItems`."""
+        return self._make().with_item_len(self.item_len)
+
+
+class _SplitItems(DeferredItems):
+    """:func:`split_long_items`'s result: ``chunks[i]`` chunks of ``chunk_len[i]`` tokens for item
+    ``i`` of ``source`` (the last one shorter)."""
+
+    def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
+        n = source.num_items
+        base = _indptr(chunks)
+        chunk_item = np.repeat(np.arange(n), chunks)
+        cl = chunk_len[chunk_item]
+        super().__init__(
+            np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl),
+            source.item_queries[chunk_item], self._split)
+        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
+                             chunk_base=base)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        # each query of a source item is in that item's used chunks (counted per query with
+        # small integer weights, exact in float64): no need to make the chunks' query lists
+        src = self.source
+        used_chunks = np.bincount(self.chunk_item[used], minlength=src.num_items)
+        if not src.q_indices.size or not used_chunks.any():
+            return 0
+        return int(np.bincount(src.q_indices, np.repeat(used_chunks, src.item_queries)).max())
+
+    def _split(self) -> WorkItems:
+        items, chunk_len, chunk_item, new_item_base = self.source, self.chunk_len, self.chunk_item, self.chunk_base
+        n = items.num_items
+        num_new = int(new_item_base[-1])
+        # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
+        seg_len = items.seg_hi - items.seg_lo
+        seg_item = np.repeat(np.arange(n), items.seg_indptr[1:] - items.seg_indptr[:-1])
+        csum = _indptr(seg_len)
+        seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
+        live = np.flatnonzero(seg_len > 0)
+        cl = chunk_len[seg_item[live]]
+        start0, len0 = seg_start[live], seg_len[live]
+        c0 = start0 // cl
+        pieces = (start0 + len0 - 1) // cl - c0 + 1
+        piece_seg = np.repeat(live, pieces)
+        piece_chunk = ranges(c0, c0 + pieces)
+        piece_cl = np.repeat(cl, pieces)
+        offset = seg_start[piece_seg]
+        start = np.maximum(piece_chunk * piece_cl, offset)
+        end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
+        piece_lo = items.seg_lo[piece_seg] + (start - offset)
+        piece_new_item = new_item_base[seg_item[piece_seg]] + piece_chunk
+        q_cnt = self.item_queries
+        q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
+        q_tokens = None
+        if items.q_tokens is not None and np.array_equal(items.q_tokens,
+                                                         np.repeat(items.item_len, items.item_queries)):
+            q_tokens = np.repeat(self.item_len, q_cnt)  # queries that saw their items whole see every chunk whole
+        # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
+        # already grouped by new item
+        return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
+                         piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
 
 
 def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,

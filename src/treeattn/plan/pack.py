@@ -23,10 +23,8 @@ def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[W
     size = tree.subtree_queries * heads.group
     glued = np.zeros(tree.num_nodes, dtype=bool)
     chain = tree.lengths.copy()  # len_s: tokens of the blocks a node's pack reads
-    by_depth = np.argsort(topo.depth, kind="stable")
-    bounds = (np.flatnonzero(np.diff(topo.depth[by_depth])) + 1).tolist()
     saved = 4 * size  # tokens' worth of the partial results that merging saves
-    for kids in (by_depth[lo:hi] for lo, hi in zip(bounds, bounds[1:] + [by_depth.size])):
+    for kids in topo.levels[1:]:  # (a level's nodes are decided independently of each other)
         len_s = chain[tree.parents[kids]]
         merge = saved[kids] >= len_s
         glued[kids] = merge

@@ -121,7 +121,8 @@ def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig,
     if needs_mask(tree, items):
         return items, 1
     unmasked = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi, items.q_indptr,
-                         items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool))
+                         items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool)
+                         ).with_item_len(items.item_len)
     packed = pack_leaf_items(unmasked, tree, k, group=heads.group, leaf=leaf)
     if packed is unmasked:
         return items, 1
