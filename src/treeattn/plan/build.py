@@ -18,6 +18,7 @@ from treeattn.plan.plan import (
     PlanHost,
     PlanIO,
     _block_m_choices,
+    masked_entries,
 )
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -94,6 +95,34 @@ def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, tota
     return pos
 
 
+def _seen_whole_until(tree: DecodingTree, row_q: np.ndarray, nq: np.ndarray, seg_node: np.ndarray,
+                      seg_hi: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, nseg: np.ndarray,
+                      item_end: np.ndarray) -> np.ndarray:
+    """int64 [items]: the first KV entry of each item's first segment that some of its queries
+    (``row_q``, ``nq`` per item) does not see whole, or the item's end (``item_end``) if none.
+
+    A segment of node ``u`` ending at ``hi`` is seen whole by all the item's queries iff ``u`` is
+    an ancestor-or-self of each query's node and ``hi`` is within the prefix of those whose node
+    it is. With pre-order numbers: ``tin[u] <= min tin[qn] <= max tin[qn] < tout[u]``, and
+    ``u`` is some query's node iff ``tin[u]`` is the minimum, the prefix to check then being
+    the least among the queries of that node.
+    """
+    topo = tree.topology
+    tq = topo.tin[tree.query_nodes[row_q]]
+    span = int(tree.query_prefix.max()) + 1
+    first_row = np.cumsum(nq) - nq
+    # (tin, prefix) pairs compared as one int64 key: the least tin, then its least prefix
+    q_min, p_min = np.divmod(np.minimum.reduceat(tq * span + tree.query_prefix[row_q], first_row), span)
+    q_max = np.maximum.reduceat(tq, first_row)
+    seg_item = np.repeat(np.arange(nq.size), nseg)
+    tin = topo.tin[seg_node]
+    lo = q_min[seg_item]
+    whole = (tin <= lo) & (q_max[seg_item] < topo.tout[seg_node]) & ((tin < lo) | (seg_hi <= p_min[seg_item]))
+    whole |= seg_len == 0
+    # segments are in KV order: the least start of a partly seen one
+    return np.minimum.reduceat(np.where(whole, item_end[seg_item], seg_kv), np.cumsum(nseg) - nseg)
+
+
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
     """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
     return np.cumsum(np.bincount(start_tails, minlength=n_tails + 1)
@@ -106,7 +135,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
-    builds the KV slot list, the merge map, the tree mask (only when needed) and the IO report.
+    builds the KV slot list, the merge map, the tree mask (only when needed, with each work
+    unit's mask start) and the IO report.
     """
     topo = tree.topology
     group = heads.group
@@ -153,6 +183,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
     # segments and queries, item after item
+    nseg = items.seg_indptr[keep + 1] - items.seg_indptr[keep]
     seg = ranges(items.seg_indptr[keep], items.seg_indptr[keep + 1])
     seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
     q_start = items.q_indptr[keep]
@@ -174,6 +205,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
     work_kv_start = item_kv_start[w_item]
     work_kv_end = work_kv_start + length[w_item]
+    # without a mask every entry is seen by its rows (a mask added later sets its own start)
+    work_mask_start = work_kv_end
+    if needs_mask:
+        work_mask_start = _seen_whole_until(tree, row_q, nq, seg_node, seg_hi, seg_len, seg_kv, nseg,
+                                            item_kv_start + length)[w_item]
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
@@ -212,12 +248,14 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         queries=int(row_q.size) * hq * d * eb,
         partial_write=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
         partial_read=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
-        mask=int((length * tiles)[item_masked].sum()) * 3 * 4 * hkv if needs_mask else 0,
+        mask=masked_entries(work_kv_start, work_mask_start, work_kv_end, launches) * 3 * 4 * hkv
+        if needs_mask else 0,
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
     t, h = _to_tensors({
         "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
+        "work_mask_start": work_mask_start,
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
         "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
         "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
@@ -225,12 +263,12 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     tail_node = seg_node[at_tail].astype(np.intp, copy=False)
     start_tails = np.searchsorted(tail, work_kv_start)
-    w_masked = item_masked[w_item]
     end_tails = np.searchsorted(tail, work_kv_end)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
         kv_indices=t["kv_indices"], work_kv_start=t["work_kv_start"], work_kv_end=t["work_kv_end"],
+        work_mask_start=t["work_mask_start"],
         work_row_indptr=t["work_row_indptr"], row_q_indices=t["row_q_indices"],
         merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], row_direct=t["row_direct"],
         merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
@@ -243,6 +281,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),
-                      tail_cover_masked=_cover(start_tails[w_masked], end_tails[w_masked], tail.size),
+                      work_mask_start=h["work_mask_start"],
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
     )

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treeattn.plan.build import _positions
-from treeattn.plan.plan import Plan, PlanHost
+from treeattn.plan.plan import Plan, PlanHost, masked_entries
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
@@ -95,6 +95,9 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     # a range [s, e) moves by the tokens inserted after the tails before s (its end: before e)
     host["work_kv_start"] = h.work_kv_start + inserted[h.start_tails]
     host["work_kv_end"] = h.work_kv_end + inserted[h.end_tails]
+    # so does a mask start; the entries inserted before it extend a segment every row of the unit
+    # saw whole, so they still do: only a query that saw its whole node sees its appended tokens
+    host["work_mask_start"] = h.work_mask_start + inserted[np.searchsorted(h.tail_pos, h.work_mask_start)]
     seg = {}
     if plan.has_mask:
         # the new entries extend the segments ending at their tails: rebuild the mask by segment
@@ -118,9 +121,11 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         io, kv=io.kv + added * per_token,
         kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
         index=io.index + added_tiles * 4 * heads.num_kv_heads,
-        mask=io.mask + (int(counts @ h.tail_cover_masked) * 12 * heads.num_kv_heads if plan.has_mask else 0))
+        mask=masked_entries(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
+                            plan.launches) * 12 * heads.num_kv_heads if plan.has_mask else 0)
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
-        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"], tree=tree, **seg)
+        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"],
+        work_mask_start=host["work_mask_start"], tree=tree, **seg)
     return _replace(plan, **t)
