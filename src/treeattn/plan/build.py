@@ -95,32 +95,32 @@ def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, tota
     return pos
 
 
-def _seen_whole_until(tree: DecodingTree, row_q: np.ndarray, nq: np.ndarray, seg_node: np.ndarray,
-                      seg_hi: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, nseg: np.ndarray,
+def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pairs: np.ndarray,
+                      seg_key: np.ndarray, seg_tout: np.ndarray, seg_kv: np.ndarray, nseg: np.ndarray,
                       item_end: np.ndarray) -> np.ndarray:
     """int64 [items]: the first KV entry of each item's first segment that some of its queries
-    (``row_q``, ``nq`` per item) does not see whole, or the item's end (``item_end``) if none.
+    does not see whole, or the item's end (``item_end``) if none.
 
-    A segment of node ``u`` ending at ``hi`` is seen whole by all the item's queries iff ``u`` is
-    an ancestor-or-self of each query's node and ``hi`` is within the prefix of those whose node
-    it is. With pre-order numbers: ``tin[u] <= min tin[qn] <= max tin[qn] < tout[u]``, and
-    ``u`` is some query's node iff ``tin[u]`` is the minimum, the prefix to check then being
-    the least among the queries of that node.
+    Only the queries that see part of their item count: their keys ``tin * span + prefix``
+    (``key``, ``tin`` of the query's node) come in runs of ``run_pairs``, one for each item
+    ``run_item``; the others see every segment whole. A segment (``seg_key = tin * span + hi``,
+    of node ``u`` ending at ``hi``) is seen whole by an item's such queries iff ``u`` is an
+    ancestor-or-self of each one's node and ``hi`` is within the prefix of those whose node it
+    is: with pre-order numbers, ``tin[u] <= min tin <= max tin < tout[u]``, ``u`` being some
+    query's node iff ``tin[u]`` is the minimum, then ``hi`` at most the least prefix of that
+    node's queries. As ``span`` exceeds every ``hi`` and prefix, all but the last test is
+    ``seg_key <= min key`` and the last ``max key < tout[u] * span``.
     """
-    topo = tree.topology
-    tq = topo.tin[tree.query_nodes[row_q]]
-    span = int(tree.query_prefix.max()) + 1
-    first_row = np.cumsum(nq) - nq
-    # (tin, prefix) pairs compared as one int64 key: the least tin, then its least prefix
-    q_min, p_min = np.divmod(np.minimum.reduceat(tq * span + tree.query_prefix[row_q], first_row), span)
-    q_max = np.maximum.reduceat(tq, first_row)
-    seg_item = np.repeat(np.arange(nq.size), nseg)
-    tin = topo.tin[seg_node]
-    lo = q_min[seg_item]
-    whole = (tin <= lo) & (q_max[seg_item] < topo.tout[seg_node]) & ((tin < lo) | (seg_hi <= p_min[seg_item]))
-    whole |= seg_len == 0
-    # segments are in KV order: the least start of a partly seen one
-    return np.minimum.reduceat(np.where(whole, item_end[seg_item], seg_kv), np.cumsum(nseg) - nseg)
+    first = np.cumsum(run_pairs) - run_pairs
+    # items without such queries get keys that make every segment whole
+    k_min = np.full(item_end.size, np.iinfo(np.int64).max, dtype=np.int64)
+    k_max = np.full(item_end.size, -1, dtype=np.int64)
+    k_min[run_item] = np.minimum.reduceat(key, first)
+    k_max[run_item] = np.maximum.reduceat(key, first)
+    whole = (seg_key <= np.repeat(k_min, nseg)) & (np.repeat(k_max, nseg) < seg_tout * span)
+    # segments are in KV order: the least start of one not seen whole
+    cut = np.minimum.reduceat(np.where(whole, np.iinfo(np.int64).max, seg_kv), np.cumsum(nseg) - nseg)
+    return np.minimum(cut, item_end)
 
 
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
@@ -160,8 +160,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     needs_mask = bool(np.any(partial))
     # items some query sees only part of: their launches apply the mask (every launch when the
     # plan has none: a mask added later, for decode windows, applies everywhere)
-    item_masked = (np.bincount(q_item[partial], minlength=items.num_items) > 0 if needs_mask
-                   else np.ones(items.num_items, dtype=bool))
+    item_partial = np.bincount(q_item[partial], minlength=items.num_items) if needs_mask else None
+    item_masked = item_partial > 0 if needs_mask else np.ones(items.num_items, dtype=bool)
     keep = np.flatnonzero((length > 0) & (nq > 0))
     length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
     # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
@@ -205,11 +205,26 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
     work_kv_start = item_kv_start[w_item]
     work_kv_end = work_kv_start + length[w_item]
-    # without a mask every entry is seen by its rows (a mask added later sets its own start)
-    work_mask_start = work_kv_end
+    # tree mask, built as int32: each entry's node range and position in its node
+    mask, seg_mask = [None] * 5, [None] * 5
     if needs_mask:
-        work_mask_start = _seen_whole_until(tree, row_q, nq, seg_node, seg_hi, seg_len, seg_kv, nseg,
-                                            item_kv_start + length)[w_item]
+        seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
+        seg_mask = [seg_len, seg_lo.astype(np.int32), seg_tin.astype(np.int32), seg_tout.astype(np.int32),
+                    np.flatnonzero(at_tail)]
+        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
+                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size), q_tin, tree.query_prefix]
+    # where each item's mask starts (its end if none; without a plan mask, every end: a mask
+    # added later sets its own starts)
+    item_mask_start = item_kv_start + length
+    if needs_mask:
+        new_item = np.empty(items.num_items, dtype=np.intp)
+        new_item[keep] = np.arange(n_items)
+        runs = np.flatnonzero(item_partial)  # (pairs are grouped by item, in the planner's order)
+        span = max(int(tree.query_prefix.max()), int(seg_hi.max())) + 1
+        item_mask_start = _seen_whole_until(
+            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, new_item[runs],
+            item_partial[runs], seg_tin * span + seg_hi, seg_tout, seg_kv, nseg, item_mask_start)
+    work_mask_start = item_mask_start[w_item]
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
@@ -230,14 +245,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
                                    masked=bool(item_masked[a])))
-    # tree mask, built as int32: each entry's node range and position in its node
-    mask, seg_mask = [None] * 5, [None] * 5
-    if needs_mask:
-        seg_mask = [seg_len, seg_lo.astype(np.int32), topo.tin[seg_node].astype(np.int32),
-                    topo.tout[seg_node].astype(np.int32), np.flatnonzero(at_tail)]
-        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
-                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size),
-                topo.tin[tree.query_nodes], tree.query_prefix]
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(length.sum())

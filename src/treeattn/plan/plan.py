@@ -273,12 +273,13 @@ def masked_entries(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_
     """KV entries the kernel applies the tree mask to, over all work units (int32 [W] ranges):
     in masked launches, from each unit's mask start (rounded down to its launch's KV tile) to
     its end."""
-    block_n = np.zeros(work_kv_start.size, dtype=np.int64)
+    total = 0
     for ln in launches:
-        block_n[ln.work_start: ln.work_end] = ln.block_n if ln.masked else 0
-    start = work_kv_start.astype(np.int64)
-    split = start + (work_mask_start - start) // np.maximum(block_n, 1) * block_n
-    return int(np.where(block_n > 0, work_kv_end - split, 0).sum())
+        if ln.masked:
+            w = slice(ln.work_start, ln.work_end)
+            lead = work_mask_start[w] - work_kv_start[w]
+            total += int(work_kv_end[w].sum()) - int(work_kv_start[w].sum()) - int((lead - lead % ln.block_n).sum())
+    return total
 
 
 def _block_m_choices(group: int) -> list:
