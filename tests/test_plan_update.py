@@ -174,6 +174,10 @@ def test_update_keeps_host_invariants_and_io(rng, strategy):
         mask_start = plan.work_mask_start.numpy()
         assert np.array_equal(h.work_mask_start, mask_start)
         assert np.all((start <= mask_start) & (mask_start <= end))
+        if plan.has_mask:
+            assert np.array_equal(h.mask_tails, np.searchsorted(h.tail_pos, mask_start))
+        else:
+            assert np.array_equal(mask_start, end)
         masked = sum(int((end[w] - (start[w] + (mask_start[w] - start[w]) // ln.block_n * ln.block_n)).sum())
                      for ln in plan.launches if ln.masked for w in [slice(ln.work_start, ln.work_end)])
         assert io.mask == (masked * 12 * heads.num_kv_heads if plan.has_mask else 0)

@@ -179,7 +179,8 @@ class StepPlanner:
         io = dataclasses.replace(plan.io, mask=masked_entries(start, mask_start, end, launches) * 12 * hkv)
         common = dict(query_prefix=torch.from_numpy(tree.query_prefix.astype(np.int32)), launches=launches,
                       work_mask_start=torch.from_numpy(mask_start), io=io,
-                      host=dataclasses.replace(h, work_mask_start=mask_start))
+                      host=dataclasses.replace(h, work_mask_start=mask_start,
+                                               mask_tails=np.searchsorted(h.tail_pos, mask_start)))
         if plan.has_mask:
             return dataclasses.replace(plan, **common)
 

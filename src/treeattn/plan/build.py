@@ -289,5 +289,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),
                       work_mask_start=h["work_mask_start"],
+                      mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
     )

@@ -130,6 +130,9 @@ class PlanHost:
         Work units whose KV range holds each tail (``start_tails <= k < end_tails``).
     work_mask_start : int32 [W]
         Host copy of :attr:`Plan.work_mask_start`.
+    mask_tails : intp [W] or None
+        Tails before each mask start, like ``start_tails`` (plans with a tree mask; without one
+        the mask starts are the ends).
     saw_all : bool [Q]
         Queries that see the whole of their node.
     tree : DecodingTree
@@ -150,6 +153,7 @@ class PlanHost:
     end_tails: np.ndarray
     tail_cover: np.ndarray
     work_mask_start: np.ndarray
+    mask_tails: np.ndarray | None
     saw_all: np.ndarray
     tree: DecodingTree
 
@@ -270,16 +274,14 @@ class Plan:
 
 def masked_entries(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_kv_end: np.ndarray,
                    launches) -> int:
-    """KV entries the kernel applies the tree mask to, over all work units (int32 [W] ranges):
-    in masked launches, from each unit's mask start (rounded down to its launch's KV tile) to
-    its end."""
-    total = 0
-    for ln in launches:
-        if ln.masked:
-            w = slice(ln.work_start, ln.work_end)
-            lead = work_mask_start[w] - work_kv_start[w]
-            total += int(work_kv_end[w].sum()) - int(work_kv_start[w].sum()) - int((lead - lead % ln.block_n).sum())
-    return total
+    """KV entries the kernel applies the tree mask to, over all work units ([W] ranges, one
+    integer dtype): in masked launches, from each unit's mask start (rounded down to its
+    launch's KV tile) to its end."""
+    block_n = np.repeat(np.array([ln.block_n if ln.masked else 0 for ln in launches], dtype=work_kv_start.dtype),
+                        [ln.work_end - ln.work_start for ln in launches])
+    # tiles are powers of two: the start's offset in its tile is a bit mask of its lead
+    per_unit = work_kv_end - work_mask_start + ((work_mask_start - work_kv_start) & (block_n - 1))
+    return int(per_unit[block_n > 0].sum())
 
 
 def _block_m_choices(group: int) -> list:

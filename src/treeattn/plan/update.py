@@ -95,11 +95,11 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     # a range [s, e) moves by the tokens inserted after the tails before s (its end: before e)
     host["work_kv_start"] = h.work_kv_start + inserted[h.start_tails]
     host["work_kv_end"] = h.work_kv_end + inserted[h.end_tails]
-    # so does a mask start; the entries inserted before it extend a segment every row of the unit
-    # saw whole, so they still do: only a query that saw its whole node sees its appended tokens
-    host["work_mask_start"] = h.work_mask_start + inserted[np.searchsorted(h.tail_pos, h.work_mask_start)]
     seg = {}
     if plan.has_mask:
+        # so does a mask start: the entries inserted before it extend a segment every row of the
+        # unit saw whole, and still do (only a query that saw its whole node sees what it gained)
+        host["work_mask_start"] = h.work_mask_start + inserted[h.mask_tails]
         # the new entries extend the segments ending at their tails: rebuild the mask by segment
         # (tin/tout depend on the parents only)
         seg_len = h.seg_len.copy()
@@ -113,6 +113,8 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     device = plan.device
     if device.type != "cpu":
         t = {k: a.to(device, non_blocking=True) for k, a in t.items()}
+    if not plan.has_mask:  # the mask starts are the ends (and never read)
+        host["work_mask_start"], t["work_mask_start"] = host["work_kv_end"], t["work_kv_end"]
     heads = plan.heads
     per_token = heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
     added_tiles = int(counts @ h.tail_cover)  # each work unit over a tail reads its new entries
