@@ -40,7 +40,8 @@ def assert_unmasked_prefix_visible(plan, seen: DecodingTree) -> None:
 def test_entries_before_the_mask_start_are_visible_to_every_row(rng, strategy, kind):
     for _ in range(4):
         if kind == "medusa":
-            tree = tree_from_medusa(str(rng.choice(["APPS_tree_size10", "32"])), context_len=int(rng.integers(1, 500)))
+            size = str(rng.choice(["APPS_tree_size10", "32"]))
+            tree = tree_from_medusa(size, context_len=int(rng.integers(1, 500)))
         else:
             tree = random_tree(rng, int(rng.integers(1, 60)), 90, roots=int(rng.integers(1, 3)),
                                inner_queries=kind == "inner")

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
-from treeattn.plan.plan import masked_entries
 from treeattn.engine.tuning import StrategyTuner
+from treeattn.plan.plan import masked_entries
 
 __all__ = ["StepPlanner", "upload"]
 

@@ -220,7 +220,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         new_item = np.empty(items.num_items, dtype=np.intp)
         new_item[keep] = np.arange(n_items)
         runs = np.flatnonzero(item_partial)  # (pairs are grouped by item, in the planner's order)
-        span = tree.kv_indices.size + 1  # above every segment end and prefix (a node's tokens)
+        span = tree.kv_indices.size + 1  # above every segment end and prefix
         item_mask_start = _seen_whole_until(
             (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, new_item[runs],
             item_partial[runs], seg_tin * span + seg_hi, seg_tout, seg_kv, nseg, item_mask_start)
