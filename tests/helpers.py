@@ -75,11 +75,15 @@ def planned_coverage(tree: DecodingTree, plan: Plan) -> tuple[np.ndarray, np.nda
     pos = ranges(start[row_work], end[row_work])
     q = np.repeat(row_q, (end - start)[row_work])
     if plan.has_mask:
-        # as the kernel does: only the launches flagged masked apply the tree mask
+        # as the kernel does: only the launches flagged masked apply the tree mask, each unit from
+        # its mask start (the kernel may start earlier, at a tile boundary: those entries are
+        # visible anyway, which this checks)
         work_masked = np.zeros(start.size, dtype=bool)
         for ln in plan.launches:
             work_masked[ln.work_start:ln.work_end] = ln.masked
+        mask_start = plan.work_mask_start.cpu().numpy().astype(np.int64)
         masked = np.repeat(work_masked[row_work], (end - start)[row_work])
+        masked &= pos >= np.repeat(mask_start[row_work], (end - start)[row_work])
         lo, hi, p = (t.cpu().numpy()[pos] for t in (plan.mask_lo, plan.mask_hi, plan.mask_pos))
         qp = plan.query_pos.cpu().numpy()[q]
         qpre = plan.query_prefix.cpu().numpy()[q]

@@ -349,7 +349,7 @@ def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng):
     q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
     k = torch.randn(-(-tree.num_tokens // 16), 16, 2, 32, dtype=torch.float64)
     v = torch.randn_like(k)
-    attn = TreeAttention(device="cpu")
+    attn = TreeAttention(torch.empty(1 << 16), backend="triton")  # (the kernel: the interpreter)
     for step in range(h):
         prefix = first + step
         planner.set_prefix(plan, prefix)

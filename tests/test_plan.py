@@ -240,10 +240,10 @@ def test_only_launches_with_partly_seen_items_apply_the_mask(strategy):
     heads = HeadConfig(32, 8, 128, torch.float16)
     plan = make_plan(tree_from_medusa(32, context_len=300), heads, strategy=strategy)
     assert plan.has_mask and {ln.masked for ln in plan.launches} == {False, True}
-    start, end = plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
-    tiles = sum(int((end[ln.work_start:ln.work_end] - start[ln.work_start:ln.work_end]).sum())
-                for ln in plan.launches if ln.masked)
-    assert plan.io.mask == tiles * 12 * heads.num_kv_heads
+    start, end, mask_start = plan.work_kv_start.numpy(), plan.work_kv_end.numpy(), plan.work_mask_start.numpy()
+    tiles = sum(int((end[w] - (start[w] + (mask_start[w] - start[w]) // ln.block_n * ln.block_n)).sum())
+                for ln in plan.launches if ln.masked for w in [slice(ln.work_start, ln.work_end)])
+    assert 0 < plan.io.mask == tiles * 12 * heads.num_kv_heads
     # a plan without a mask keeps every launch masked: a mask added later applies everywhere
     assert all(ln.masked for ln in make_plan(tree_from_spec("1,4_30,5"), heads, strategy=strategy).launches)
 

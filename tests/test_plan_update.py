@@ -171,12 +171,16 @@ def test_update_keeps_host_invariants_and_io(rng, strategy):
         assert io.kv == plan.kv_indices.numel() * per_token
         assert io.kv + io.kv_tile_rereads == tiles * per_token
         assert io.index == tiles * 4 * heads.num_kv_heads
-        masked = sum(int((end[ln.work_start:ln.work_end] - start[ln.work_start:ln.work_end]).sum())
-                     for ln in plan.launches if ln.masked)
+        mask_start = plan.work_mask_start.numpy()
+        assert np.array_equal(h.work_mask_start, mask_start)
+        assert np.all((start <= mask_start) & (mask_start <= end))
+        if plan.has_mask:
+            assert np.array_equal(h.mask_tails, np.searchsorted(h.tail_pos, mask_start))
+        else:
+            assert np.array_equal(mask_start, end)
+        masked = sum(int((end[w] - (start[w] + (mask_start[w] - start[w]) // ln.block_n * ln.block_n)).sum())
+                     for ln in plan.launches if ln.masked for w in [slice(ln.work_start, ln.work_end)])
         assert io.mask == (masked * 12 * heads.num_kv_heads if plan.has_mask else 0)
-        m_cover = [sum(np.count_nonzero((start[ln.work_start:ln.work_end] <= p) & (p < end[ln.work_start:ln.work_end]))
-                       for ln in plan.launches if ln.masked) for p in h.tail_pos]
-        assert np.array_equal(h.tail_cover_masked, m_cover)
         assert plan.min_slots == int(plan.kv_indices.max()) + 1
 
 

@@ -112,7 +112,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
         _tree_partial_attention_kernel[grid](
             q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
-            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_row_indptr,
+            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
             launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride,
             q.stride(0), q.stride(1),

@@ -17,6 +17,7 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.engine.tuning import StrategyTuner
+from treeattn.plan.plan import masked_entries
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -143,7 +144,8 @@ class StepPlanner:
     def _masked(plan: Plan, tree: DecodingTree, first_prefix: np.ndarray) -> Plan:
         """``plan`` with a tree mask (built from the tree when the planner made none), a private
         query_prefix tensor, and the mask applied by every launch that reads a token some step
-        of the window hides: position ``p >= first_prefix[j]`` of query ``j``'s own node."""
+        of the window hides: position ``p >= first_prefix[j]`` of query ``j``'s own node, each
+        work unit from its first such entry (or the builder's mask start, if earlier) on."""
         topo = tree.topology
         slots = plan.kv_indices.numpy().astype(np.int64)
         if plan.has_mask:
@@ -162,22 +164,32 @@ class StepPlanner:
         hide_from = np.full(tree.num_nodes, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(hide_from, tree.query_nodes, first_prefix)
         hidden = np.concatenate(([0], np.cumsum(pos >= hide_from[node])))
-        start, end = plan.host.work_kv_start, plan.host.work_kv_end
+        h = plan.host
+        start, end = h.work_kv_start, h.work_kv_end
         unit_hidden = hidden[end] > hidden[start]
         # a launch the builder flagged keeps its flag: some query sees part of its items already
         launches = tuple(dataclasses.replace(ln, masked=bool(
             (plan.has_mask and ln.masked) or unit_hidden[ln.work_start: ln.work_end].any()))
             for ln in plan.launches)
-        prefix = torch.from_numpy(tree.query_prefix.astype(np.int32))
+        # each unit's mask starts at its first hidden entry, or earlier where the builder's does
+        # (a plan built without a mask has its starts at the ends)
+        first_hidden = np.searchsorted(hidden, hidden[start] + 1) - 1
+        mask_start = np.minimum(h.work_mask_start, first_hidden).astype(np.int32)
+        hkv = plan.heads.num_kv_heads
+        io = dataclasses.replace(plan.io, mask=masked_entries(start, mask_start, end, launches) * 12 * hkv)
+        common = dict(query_prefix=torch.from_numpy(tree.query_prefix.astype(np.int32)), launches=launches,
+                      work_mask_start=torch.from_numpy(mask_start), io=io,
+                      host=dataclasses.replace(h, work_mask_start=mask_start,
+                                               mask_tails=np.searchsorted(h.tail_pos, mask_start)))
         if plan.has_mask:
-            return dataclasses.replace(plan, query_prefix=prefix, launches=launches)
+            return dataclasses.replace(plan, **common)
 
         def i32(a):
             return torch.from_numpy(np.asarray(a, dtype=np.int32))
 
         return dataclasses.replace(
             plan, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]), mask_pos=i32(pos),
-            query_pos=i32(topo.tin[tree.query_nodes]), query_prefix=prefix, launches=launches)
+            query_pos=i32(topo.tin[tree.query_nodes]), **common)
 
     def _to_device(self, plan: Plan) -> Plan:
         if self.device.type == "cpu":

@@ -13,12 +13,60 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    mask_lo, mask_hi, mask_pos, qpos, qprefix,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
+    returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
+    the rows (query ``qpos``/``qprefix``) that do not see them."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < kv_end
+    # int64: page * stride overflows int32 on pools over 2 GiB
+    slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
+    # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
+    page = slot // PAGE_SIZE
+    in_page = slot % PAGE_SIZE
+    kv_mask = n_valid[:, None] & d_valid[None, :]
+    k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
+                + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
+                + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
+    visible = n_valid[None, :]
+    if MASKED:
+        lo = tl.load(mask_lo + offs_n, mask=n_valid, other=0)
+        hi = tl.load(mask_hi + offs_n, mask=n_valid, other=0)
+        pos = tl.load(mask_pos + offs_n, mask=n_valid, other=0)
+        # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
+        # query's node, and within the query's own node only its first `prefix` tokens
+        anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
+        own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
+        visible = visible & anc & own_ok
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # work_offset (the launch's first work unit) takes any value: specialising on it (== 1, multiple
 # of 16) would compile new variants in the middle of decoding
 @triton.jit(do_not_specialize=["work_offset"])
 def _tree_partial_attention_kernel(
     Q, K, V, O_part, LSE_part, Out, LSE_out,
-    kv_indices, work_kv_start, work_kv_end, work_row_indptr, row_q_indices, row_direct,
+    kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
     mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
     work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer,
     stride_qn, stride_qh,
@@ -38,6 +86,9 @@ def _tree_partial_attention_kernel(
 
     ``K`` and ``V`` are offset by ``kv_layer[0] * stride_layer`` elements (``stride_layer`` 0
     when the caller passes one layer's caches).
+
+    With ``HAS_MASK``, the KV tiles wholly before the unit's ``work_mask_start`` (entries every
+    row sees) run without the tree mask, the others with it.
 
     With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
     they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
@@ -72,49 +123,33 @@ def _tree_partial_attention_kernel(
     if UPCAST:
         # Triton's CPU interpreter computes bf16 dots wrongly; it runs them in fp32 instead
         q = q.to(tl.float32)
+    split = kv_end
     if HAS_MASK:
         qpos = tl.load(query_pos + q_idx, mask=row_valid, other=-1)
         qprefix = tl.load(query_prefix + q_idx, mask=row_valid, other=0)
+        # tile-aligned, so the tiles are the same as when masking all of them
+        split = kv_start + (tl.load(work_mask_start + work) - kv_start) // BLOCK_N * BLOCK_N
+    else:
+        qpos = tl.zeros([BLOCK_M], tl.int32)  # (unused: no tile is masked)
+        qprefix = qpos
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(kv_start, kv_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        # int64: page * stride overflows int32 on pools over 2 GiB
-        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
-        # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
-        page = slot // PAGE_SIZE
-        in_page = slot % PAGE_SIZE
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
-        visible = n_valid[None, :]
-        if HAS_MASK:
-            lo = tl.load(mask_lo + offs_n, mask=n_valid, other=0)
-            hi = tl.load(mask_hi + offs_n, mask=n_valid, other=0)
-            pos = tl.load(mask_pos + offs_n, mask=n_valid, other=0)
-            # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
-            # query's node, and within the query's own node only its first `prefix` tokens
-            anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
-            own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
-            visible = visible & anc & own_ok
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    for n0 in range(kv_start, split, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            mask_lo, mask_hi, mask_pos, qpos, qprefix,
+            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    if HAS_MASK:
+        # a second loop rather than a per-tile branch: each is software-pipelined on its own
+        for n0 in range(split, kv_end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                mask_lo, mask_hi, mask_pos, qpos, qprefix,
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]

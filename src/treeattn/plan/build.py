@@ -19,6 +19,7 @@ from treeattn.plan.plan import (
     PlanHost,
     PlanIO,
     _block_m_choices,
+    masked_entries,
 )
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -96,6 +97,34 @@ def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, tota
     return pos
 
 
+def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pairs: np.ndarray,
+                      seg_key: np.ndarray, seg_tout: np.ndarray, seg_kv: np.ndarray, nseg: np.ndarray,
+                      item_end: np.ndarray) -> np.ndarray:
+    """int64 [items]: the first KV entry of each item's first segment that some of its queries
+    does not see whole, or the item's end (``item_end``) if none.
+
+    Only the queries that see part of their item count: their keys ``tin * span + prefix``
+    (``key``, ``tin`` of the query's node) come in runs of ``run_pairs``, one for each item
+    ``run_item``; the others see every segment whole. A segment (``seg_key = tin * span + hi``,
+    of node ``u`` ending at ``hi``) is seen whole by an item's such queries iff ``u`` is an
+    ancestor-or-self of each one's node and ``hi`` is within the prefix of those whose node it
+    is: with pre-order numbers, ``tin[u] <= min tin <= max tin < tout[u]``, ``u`` being some
+    query's node iff ``tin[u]`` is the minimum, then ``hi`` at most the least prefix of that
+    node's queries. As ``span`` exceeds every ``hi`` and prefix, all but the last test is
+    ``seg_key <= min key`` and the last ``max key < tout[u] * span``.
+    """
+    first = np.cumsum(run_pairs) - run_pairs
+    # items without such queries get keys that make every segment whole
+    k_min = np.full(item_end.size, np.iinfo(np.int64).max, dtype=np.int64)
+    k_max = np.full(item_end.size, -1, dtype=np.int64)
+    k_min[run_item] = np.minimum.reduceat(key, first)
+    k_max[run_item] = np.maximum.reduceat(key, first)
+    whole = (seg_key <= np.repeat(k_min, nseg)) & (np.repeat(k_max, nseg) < seg_tout * span)
+    # segments are in KV order: the least start of one not seen whole
+    cut = np.minimum.reduceat(np.where(whole, np.iinfo(np.int64).max, seg_kv), np.cumsum(nseg) - nseg)
+    return np.minimum(cut, item_end)
+
+
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
     """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
     return np.cumsum(np.bincount(start_tails, minlength=n_tails + 1)
@@ -108,7 +137,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
-    builds the KV slot list, the merge map, the tree mask (only when needed) and the IO report.
+    builds the KV slot list, the merge map, the tree mask (only when needed, with each work
+    unit's mask start) and the IO report.
     """
     topo = tree.topology
     group = heads.group
@@ -132,8 +162,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     needs_mask = bool(partial.any())
     # items some query sees only part of: their launches apply the mask (every launch when the
     # plan has none: a mask added later, for decode windows, applies everywhere)
-    item_masked = (np.bincount(q_item[partial], minlength=items.num_items) > 0 if needs_mask
-                   else np.ones(items.num_items, dtype=bool))
+    item_partial = np.bincount(q_item[partial], minlength=items.num_items) if needs_mask else None
+    item_masked = item_partial > 0 if needs_mask else np.ones(items.num_items, dtype=bool)
     keep = np.flatnonzero((length > 0) & (nq > 0))
     length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
     # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
@@ -155,6 +185,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
     # segments and queries, item after item
+    nseg = items.seg_indptr[keep + 1] - items.seg_indptr[keep]
     seg = ranges(items.seg_indptr[keep], items.seg_indptr[keep + 1])
     seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
     q_start = items.q_indptr[keep]
@@ -176,6 +207,26 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
     work_kv_start = item_kv_start[w_item]
     work_kv_end = work_kv_start + length[w_item]
+    # tree mask, built as int32: each entry's node range and position in its node
+    mask, seg_mask = [None] * 5, [None] * 5
+    if needs_mask:
+        seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
+        seg_mask = [seg_len, seg_lo.astype(np.int32), seg_tin.astype(np.int32), seg_tout.astype(np.int32),
+                    np.flatnonzero(at_tail)]
+        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
+                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size), q_tin, tree.query_prefix]
+    # where each item's mask starts (its end if none; without a plan mask, every end: a mask
+    # added later sets its own starts)
+    item_mask_start = item_kv_start + length
+    if needs_mask:
+        new_item = np.empty(items.num_items, dtype=np.intp)
+        new_item[keep] = np.arange(n_items)
+        runs = np.flatnonzero(item_partial)  # (pairs are grouped by item, in the planner's order)
+        span = tree.kv_indices.size + 1  # above every segment end and prefix
+        item_mask_start = _seen_whole_until(
+            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, new_item[runs],
+            item_partial[runs], seg_tin * span + seg_hi, seg_tout, seg_kv, nseg, item_mask_start)
+    work_mask_start = item_mask_start[w_item]
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
@@ -202,14 +253,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             long_units = item_tokens[i + 1] - item_tokens[i] >= HEADS_INNER_MIN_TOKENS * (b - a)
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
                                    masked=bool(item_masked[a]), heads_inner=long_units and not multi_tile[i]))
-    # tree mask, built as int32: each entry's node range and position in its node
-    mask, seg_mask = [None] * 5, [None] * 5
-    if needs_mask:
-        seg_mask = [seg_len, seg_lo.astype(np.int32), topo.tin[seg_node].astype(np.int32),
-                    topo.tout[seg_node].astype(np.int32), np.flatnonzero(at_tail)]
-        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
-                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size),
-                topo.tin[tree.query_nodes], tree.query_prefix]
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(length.sum())
@@ -220,12 +263,14 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         queries=int(row_q.size) * hq * d * eb,
         partial_write=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
         partial_read=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
-        mask=int((length * tiles)[item_masked].sum()) * 3 * 4 * hkv if needs_mask else 0,
+        mask=masked_entries(work_kv_start, work_mask_start, work_kv_end, launches) * 3 * 4 * hkv
+        if needs_mask else 0,
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
     t, h = _to_tensors({
         "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
+        "work_mask_start": work_mask_start,
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
         "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
         "mask_lo": mask[0], "mask_hi": mask[1], "mask_pos": mask[2],
@@ -233,12 +278,12 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     tail_node = seg_node[at_tail].astype(np.intp, copy=False)
     start_tails = np.searchsorted(tail, work_kv_start)
-    w_masked = item_masked[w_item]
     end_tails = np.searchsorted(tail, work_kv_end)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
         kv_indices=t["kv_indices"], work_kv_start=t["work_kv_start"], work_kv_end=t["work_kv_end"],
+        work_mask_start=t["work_mask_start"],
         work_row_indptr=t["work_row_indptr"], row_q_indices=t["row_q_indices"],
         merge_indptr=t["merge_indptr"], merge_indices=t["merge_indices"], row_direct=t["row_direct"],
         merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
@@ -251,6 +296,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),
-                      tail_cover_masked=_cover(start_tails[w_masked], end_tails[w_masked], tail.size),
+                      work_mask_start=h["work_mask_start"],
+                      mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
     )

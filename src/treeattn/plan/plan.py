@@ -9,7 +9,7 @@ import torch
 
 from treeattn.tree import DecodingTree
 
-__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "launch_shapes"]
+__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "launch_shapes", "masked_entries"]
 
 #: Query-tile heights (rows = queries x GQA group) the kernel is compiled for; an item takes the
 #: smallest that holds all its rows (PAT's round-up rule), else it is split into several tiles.
@@ -61,7 +61,8 @@ class PlanIO:
     ``kv_tile_rereads`` the extra reads when an item's queries need several query tiles (these
     programs run side by side and mostly hit L2). ``partial`` is the fp32 partial outputs and LSEs
     written by the attention kernel and read back by the merge (rows of queries with more than
-    one; a query's only row goes straight to the output).
+    one; a query's only row goes straight to the output). ``mask`` is the tree mask's three words
+    per KV entry the kernel masks (:func:`masked_entries`), per KV head.
     """
 
     kv: int
@@ -133,8 +134,11 @@ class PlanHost:
         the plan's life, as updates only insert entries right after tails.
     tail_cover : int64 [n_tails]
         Work units whose KV range holds each tail (``start_tails <= k < end_tails``).
-    tail_cover_masked : int64 [n_tails]
-        The same, counting only work units of launches that apply the tree mask.
+    work_mask_start : int32 [W]
+        Host copy of :attr:`Plan.work_mask_start`.
+    mask_tails : intp [W] or None
+        Tails before each mask start, like ``start_tails`` (plans with a tree mask; without one
+        the mask starts are the ends).
     saw_all : bool [Q]
         Queries that see the whole of their node.
     tree : DecodingTree
@@ -154,7 +158,8 @@ class PlanHost:
     start_tails: np.ndarray
     end_tails: np.ndarray
     tail_cover: np.ndarray
-    tail_cover_masked: np.ndarray
+    work_mask_start: np.ndarray
+    mask_tails: np.ndarray | None
     saw_all: np.ndarray
     tree: DecodingTree
 
@@ -171,6 +176,11 @@ class Plan:
         KV-cache slot (``page * page_size + offset``) of each planned KV token, item after item.
     work_kv_start, work_kv_end : int32 [W]
         KV range of each work unit (one query tile of one item) into ``kv_indices``.
+    work_mask_start : int32 [W]
+        First entry of each work unit from which the tree mask applies: entries
+        ``[work_kv_start, work_mask_start)`` are visible to every row of the unit, and masked
+        launches run the KV tiles wholly before it without the mask. ``work_kv_start`` (mask
+        everything) is always correct; ``work_kv_end`` means the unit needs no mask.
     work_row_indptr : int32 [W + 1]
         Partial-result rows of each work unit; row ``r`` is query ``row_q_indices[r]``.
     row_q_indices : int32 [R]
@@ -204,6 +214,7 @@ class Plan:
     kv_indices: torch.Tensor
     work_kv_start: torch.Tensor
     work_kv_end: torch.Tensor
+    work_mask_start: torch.Tensor
     work_row_indptr: torch.Tensor
     row_q_indices: torch.Tensor
     merge_indptr: torch.Tensor
@@ -256,9 +267,27 @@ class Plan:
                  f"IO bytes: kv={io.kv:,} (+{io.kv_tile_rereads:,} query-tile re-reads) "
                  f"queries={io.queries:,} partials={io.partial_write + io.partial_read:,} "
                  f"mask={io.mask:,} index={io.index:,} output={io.output:,} total={io.total:,}"]
+        if io.mask:
+            # both count KV tile-entries of every KV head: the index 4 bytes each, the mask 12
+            hkv = self.heads.num_kv_heads
+            masked, entries = io.mask // (12 * hkv), io.index // (4 * hkv)
+            lines.append(f"tree mask on {masked:,} of {entries:,} KV tile-entries "
+                         f"({100 * masked / entries:.1f}%)")
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
+
+
+def masked_entries(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_kv_end: np.ndarray,
+                   launches) -> int:
+    """KV entries the kernel applies the tree mask to, over all work units ([W] ranges, one
+    integer dtype): in masked launches, from each unit's mask start (rounded down to its
+    launch's KV tile) to its end."""
+    block_n = np.repeat(np.array([ln.block_n if ln.masked else 0 for ln in launches], dtype=work_kv_start.dtype),
+                        [ln.work_end - ln.work_start for ln in launches])
+    # tiles are powers of two: the start's offset in its tile is a bit mask of its lead
+    per_unit = work_kv_end - work_mask_start + ((work_mask_start - work_kv_start) & (block_n - 1))
+    return int(per_unit[block_n > 0].sum())
 
 
 def _block_m_choices(group: int) -> list:

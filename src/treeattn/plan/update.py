@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treeattn.plan.build import _positions
-from treeattn.plan.plan import Plan, PlanHost
+from treeattn.plan.plan import Plan, PlanHost, masked_entries
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
@@ -97,6 +97,9 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     host["work_kv_end"] = h.work_kv_end + inserted[h.end_tails]
     seg = {}
     if plan.has_mask:
+        # so does a mask start: the entries inserted before it extend a segment every row of the
+        # unit saw whole, and still do (only a query that saw its whole node sees what it gained)
+        host["work_mask_start"] = h.work_mask_start + inserted[h.mask_tails]
         # the new entries extend the segments ending at their tails: rebuild the mask by segment
         # (tin/tout depend on the parents only)
         seg_len = h.seg_len.copy()
@@ -110,6 +113,8 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     device = plan.device
     if device.type != "cpu":
         t = {k: a.to(device, non_blocking=True) for k, a in t.items()}
+    if not plan.has_mask:  # the mask starts are the ends (and never read)
+        host["work_mask_start"], t["work_mask_start"] = host["work_kv_end"], t["work_kv_end"]
     heads = plan.heads
     per_token = heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
     added_tiles = int(counts @ h.tail_cover)  # each work unit over a tail reads its new entries
@@ -118,9 +123,11 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         io, kv=io.kv + added * per_token,
         kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
         index=io.index + added_tiles * 4 * heads.num_kv_heads,
-        mask=io.mask + (int(counts @ h.tail_cover_masked) * 12 * heads.num_kv_heads if plan.has_mask else 0))
+        mask=masked_entries(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
+                            plan.launches) * 12 * heads.num_kv_heads if plan.has_mask else 0)
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
-        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"], tree=tree, **seg)
+        work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"],
+        work_mask_start=host["work_mask_start"], tree=tree, **seg)
     return _replace(plan, **t)
