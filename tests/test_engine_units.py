@@ -323,7 +323,7 @@ def test_auto_decision_is_reused_across_similar_batches_and_not_across_sharing()
 
 
 @pytest.mark.parametrize("strategy", ["greedy", "node", "flatten", "sequence"])
-def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng):
+def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng, device):
     """A decode window plans with every query seeing its own node's reserved slots and lowers each
     query's prefix before every step. Launches reading a slot some step hides apply the tree mask;
     a launch over shared ancestors only (few-shot's prompt) skips it. Every step of the window
@@ -336,11 +336,11 @@ def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng):
     parents, lengths = [-1] + [0] * 6, [700] + [int(x) + h - 1 for x in rng.integers(1, 40, 6)]
     tree = DecodingTree.from_parents(parents, lengths, query_nodes=list(range(1, 7)), page_size=16)
     heads = HeadConfig(8, 2, 32, torch.float32)
-    planner = StepPlanner(heads, strategy=strategy, device="cpu")
+    planner = StepPlanner(heads, strategy=strategy, device=device)
     first = tree.query_prefix - (h - 1)
     plan = planner.plan(tree, first_prefix=first)
     assert plan.has_mask
-    lo, start, end = plan.mask_lo.numpy(), plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
+    lo, start, end = (t.cpu().numpy() for t in (plan.mask_lo, plan.work_kv_start, plan.work_kv_end))
     root_only = [ln for ln in plan.launches if np.all(lo[start[ln.work_start]: end[ln.work_end - 1]] == 0)]
     assert all(not ln.masked for ln in root_only)
     assert all(ln.masked for ln in plan.launches if ln not in root_only)
@@ -349,11 +349,12 @@ def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng):
     q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
     k = torch.randn(-(-tree.num_tokens // 16), 16, 2, 32, dtype=torch.float64)
     v = torch.randn_like(k)
-    attn = TreeAttention(torch.empty(1 << 16), backend="triton")  # (the kernel: the interpreter)
+    # the Triton kernel (the interpreter on CPU): the torch backend ignores the launches' flags
+    attn = TreeAttention(torch.empty(1 << 16, device=device), device=device, backend="triton")
     for step in range(h):
         prefix = first + step
         planner.set_prefix(plan, prefix)
-        out = attn.run(q.float(), k.float(), v.float(), plan)
+        out = attn.run(*(t.float().to(device) for t in (q, k, v)), plan).cpu()
         seen = DecodingTree.from_parents(parents, lengths, query_nodes=list(range(1, 7)),
                                          query_prefix=prefix, page_size=16)
         ref = reference_attention(q, k, v, seen)[0]

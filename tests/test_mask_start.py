@@ -100,26 +100,27 @@ def test_speculative_context_is_read_unmasked(strategy):
     assert "tree mask on" in plan.explain()
 
 
-def test_kernel_uses_the_mask_start():
+def test_kernel_uses_the_mask_start(device):
     """A window's ``sequence`` plan: the planned mask start (after the 100-token prompt and 12
     leaf tokens: one unmasked tile of 64) matches the reference; one past entries its row cannot
     see (the unit's end: tiles up to 192 unmasked) is wrong, and the kernel's output shows it."""
     tree = DecodingTree.from_parents([-1, 0, 0], [100, 120, 30], query_nodes=[1, 2], page_size=16)
     first = np.array([12, 25])
-    planner = StepPlanner(HEADS, strategy="sequence", device="cpu")
+    planner = StepPlanner(HEADS, strategy="sequence", device=device)
     plan = planner.plan(tree, first_prefix=first)
     planner.set_prefix(plan, first)
-    unit = int(np.flatnonzero(plan.row_q_indices.numpy() == 0)[0])  # query 0's unit (one row each)
+    unit = int(np.flatnonzero(plan.row_q_indices.cpu().numpy() == 0)[0])  # query 0's unit (one row each)
     assert plan.work_mask_start[unit] - plan.work_kv_start[unit] == 100 + 12
     assert all(ln.masked and ln.block_n == 64 for ln in plan.launches)
     q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
     k = torch.randn(-(-tree.num_tokens // 16), 16, 2, 32, dtype=torch.float64)
     v = torch.randn_like(k)
     ref = reference_attention(q, k, v, tree.with_queries(tree.query_nodes, first))[0]
-    attn = TreeAttention(torch.empty(1 << 16), backend="triton")  # (workspace: the plan is not its own)
+    # (workspace: the plan is not its own)
+    attn = TreeAttention(torch.empty(1 << 16, device=device), device=device, backend="triton")
 
     def err(p):
-        out = attn.run(q.float(), k.float(), v.float(), p)
+        out = attn.run(*(t.float().to(device) for t in (q, k, v)), p).cpu()
         return float((out.double() - ref).norm() / ref.norm())
 
     assert err(plan) < 1e-4
