@@ -122,7 +122,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
-            HAS_MASK=plan.has_mask and launch.masked, HEADS_INNER=launch.heads_inner, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
@@ -205,10 +205,13 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        for (m, n, warps, stages), direct, inner in itertools.product(
-                launch_shapes(heads), (0, plan.num_direct), (False, True)):
+        for (m, n, warps, stages), direct, inner, split in itertools.product(
+                launch_shapes(heads), (0, plan.num_direct), (False, True), (False, True)):
+            if split and not plan.has_mask:
+                continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
-                                                                heads_inner=inner),), num_direct=direct)
+                                                                heads_inner=inner, mask_split=split),),
+                                         num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1
     cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))

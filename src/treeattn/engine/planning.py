@@ -17,7 +17,7 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.engine.tuning import StrategyTuner
-from treeattn.plan.plan import masked_entries
+from treeattn.plan.plan import masked_entries, split_masked_launches
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -175,6 +175,7 @@ class StepPlanner:
         # (a plan built without a mask has its starts at the ends)
         first_hidden = np.searchsorted(hidden, hidden[start] + 1) - 1
         mask_start = np.minimum(h.work_mask_start, first_hidden).astype(np.int32)
+        launches = split_masked_launches(launches, start, mask_start)
         hkv = plan.heads.num_kv_heads
         io = dataclasses.replace(plan.io, mask=masked_entries(start, mask_start, end, launches) * 12 * hkv)
         common = dict(query_prefix=torch.from_numpy(tree.query_prefix.astype(np.int32)), launches=launches,

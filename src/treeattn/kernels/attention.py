@@ -76,7 +76,7 @@ def _tree_partial_attention_kernel(
     stride_on, stride_oh, stride_ln,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_MASK: tl.constexpr, HEADS_INNER: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = one query tile of one work item, for one KV head.
@@ -127,8 +127,11 @@ def _tree_partial_attention_kernel(
     if HAS_MASK:
         qpos = tl.load(query_pos + q_idx, mask=row_valid, other=-1)
         qprefix = tl.load(query_prefix + q_idx, mask=row_valid, other=0)
-        # tile-aligned, so the tiles are the same as when masking all of them
-        split = kv_start + (tl.load(work_mask_start + work) - kv_start) // BLOCK_N * BLOCK_N
+        if MASK_SPLIT:
+            # tile-aligned, so the tiles are the same as when masking all of them
+            split = kv_start + (tl.load(work_mask_start + work) - kv_start) // BLOCK_N * BLOCK_N
+        else:
+            split = kv_start
     else:
         qpos = tl.zeros([BLOCK_M], tl.int32)  # (unused: no tile is masked)
         qprefix = qpos
@@ -136,12 +139,13 @@ def _tree_partial_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(kv_start, split, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
-            stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-            mask_lo, mask_hi, mask_pos, qpos, qprefix,
-            BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
+        for n0 in range(kv_start, split, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                mask_lo, mask_hi, mask_pos, qpos, qprefix,
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     if HAS_MASK:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):

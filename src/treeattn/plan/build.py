@@ -19,6 +19,7 @@ from treeattn.plan.plan import (
     PlanHost,
     PlanIO,
     _block_m_choices,
+    split_masked_launches,
     masked_entries,
 )
 from treeattn.topology import ranges
@@ -253,6 +254,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             long_units = item_tokens[i + 1] - item_tokens[i] >= HEADS_INNER_MIN_TOKENS * (b - a)
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
                                    masked=bool(item_masked[a]), heads_inner=long_units and not multi_tile[i]))
+    if needs_mask:
+        launches = split_masked_launches(launches, work_kv_start, work_mask_start)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(length.sum())

@@ -2,6 +2,7 @@
 layer and decode step until the tree changes."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,10 @@ class Launch:
     the KV head varying fastest) instead of all work units of one KV head first. The builder sets
     it for launches of long work units whose items have one query tile each: programs reading the
     same tokens' ``[Hkv, D]`` rows at the same time share DRAM pages.
+
+    ``mask_split``: a masked launch runs each unit's tiles before its mask start unmasked, in a
+    loop of their own; set where some unit has a whole tile before its mask start (the second
+    loop slows the others, e.g. packed leaves masked from their start).
     """
 
     block_m: int
@@ -107,6 +112,7 @@ class Launch:
     num_stages: int = 2
     masked: bool = True
     heads_inner: bool = False
+    mask_split: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -278,15 +284,27 @@ class Plan:
         return "\n".join(lines)
 
 
+def split_masked_launches(launches, work_kv_start: np.ndarray, work_mask_start: np.ndarray) -> tuple:
+    """``launches`` with :attr:`Launch.mask_split` set on the masked ones where some unit has a
+    whole KV tile before its mask start."""
+    lead = work_mask_start - work_kv_start
+    return tuple(dataclasses.replace(ln, mask_split=bool(
+        ln.masked and ln.work_end > ln.work_start and lead[ln.work_start: ln.work_end].max() >= ln.block_n))
+        for ln in launches)
+
+
 def masked_entries(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_kv_end: np.ndarray,
                    launches) -> int:
     """KV entries the kernel applies the tree mask to, over all work units ([W] ranges, one
     integer dtype): in masked launches, from each unit's mask start (rounded down to its
-    launch's KV tile) to its end."""
+    launch's KV tile; the unit's start unless the launch splits) to its end."""
+    sizes = [ln.work_end - ln.work_start for ln in launches]
     block_n = np.repeat(np.array([ln.block_n if ln.masked else 0 for ln in launches], dtype=work_kv_start.dtype),
-                        [ln.work_end - ln.work_start for ln in launches])
+                        sizes)
+    split = np.repeat(np.array([ln.mask_split for ln in launches], dtype=bool), sizes)
+    mask_start = np.where(split, work_mask_start, work_kv_start)
     # tiles are powers of two: the start's offset in its tile is a bit mask of its lead
-    per_unit = work_kv_end - work_mask_start + ((work_mask_start - work_kv_start) & (block_n - 1))
+    per_unit = work_kv_end - mask_start + ((mask_start - work_kv_start) & (block_n - 1))
     return int(per_unit[block_n > 0].sum())
 
 
