@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM
+from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
 from treeattn.workloads import suite_trees, tree_from_spec
 
@@ -60,10 +60,7 @@ def main(argv=None) -> None:
         for hq, hkv in heads:
             w = TreeAttention(device="cuda", streams=3)
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
-            q = torch.randn(tree.num_queries, hq, HEAD_DIM, device="cuda", dtype=torch.float16)
-            k = torch.randn(tree.num_tokens, 1, hkv, HEAD_DIM, device="cuda", dtype=torch.float16)
-            v = torch.randn_like(k)
-            out = torch.empty_like(q)
+            q, k, v, out = case_inputs(tree, hq, hkv)
             tokens = launch_tokens(plan)
             row = {"tree": spec, "hq": hq, "hkv": hkv, "auto": plan.strategy,
                    "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bw),

@@ -19,7 +19,7 @@ import time
 import torch
 
 from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM
+from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import graph_us, provenance
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.workloads import suite_trees, tree_from_spec
@@ -46,9 +46,7 @@ def main(argv=None) -> None:
             n = plan.merge_q_indices.numel()
             if n == 0:
                 continue
-            q = torch.randn(tree.num_queries, hq, HEAD_DIM, device="cuda", dtype=torch.float16)
-            k = torch.randn(tree.num_tokens, 1, hkv, HEAD_DIM, device="cuda", dtype=torch.float16)
-            out = torch.empty_like(q)
+            q, k, _, out = case_inputs(tree, hq, hkv)
             o_part, l_part = w.partial_buffers(plan)
             partial_attention(q, k, k, plan, o_part, l_part, sm_scale=HEAD_DIM ** -0.5, out=out)
             rows = torch.diff(plan.merge_indptr.long())[plan.merge_q_indices.long()]

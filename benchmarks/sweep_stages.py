@@ -28,7 +28,7 @@ import torch
 import triton
 
 from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM
+from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
 from treeattn.kernels.attention import _tree_partial_attention_kernel
 from treeattn.workloads import suite_trees, tree_from_spec
@@ -112,10 +112,7 @@ def main(argv=None) -> None:
         for hq, hkv in heads:
             w = TreeAttention(device="cuda", streams=3)
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
-            q = torch.randn(tree.num_queries, hq, HEAD_DIM, device="cuda", dtype=torch.float16)
-            k = torch.randn(tree.num_tokens, 1, hkv, HEAD_DIM, device="cuda", dtype=torch.float16)
-            v = torch.randn_like(k)
-            out = torch.empty_like(q)
+            q, k, v, out = case_inputs(tree, hq, hkv)
             row = {"tree": spec, "hq": hq, "hkv": hkv, "auto": plan.strategy,
                    "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bw),
                    "us": {"base": graph_us(lambda: w.run(q, k, v, plan, out=out))}, "err": {}}

@@ -29,14 +29,19 @@ def load_anchors(path=None) -> dict:
     return {(r["tree"], r["hq"], r["hkv"]): r for r in rows}
 
 
+def case_inputs(tree, hq: int, hkv: int) -> tuple:
+    """Random fp16 ``q [Q, hq, D]``, K and V caches ``[T, 1, hkv, D]`` (page size 1) and an
+    empty ``out`` on the GPU for a suite case (head_dim :data:`HEAD_DIM`)."""
+    q = torch.randn(tree.num_queries, hq, HEAD_DIM, device="cuda", dtype=torch.float16)
+    k = torch.randn(tree.num_tokens, 1, hkv, HEAD_DIM, device="cuda", dtype=torch.float16)
+    return q, k, torch.randn_like(k), torch.empty_like(q)
+
+
 def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict, *,
                streams: int = 3) -> dict:
     tree = tree_from_spec(spec)
     dev = torch.device("cuda")
-    q = torch.randn(tree.num_queries, hq, HEAD_DIM, device=dev, dtype=torch.float16)
-    k = torch.randn(tree.num_tokens, 1, hkv, HEAD_DIM, device=dev, dtype=torch.float16)
-    v = torch.randn_like(k)
-    out = torch.empty_like(q)
+    q, k, v, out = case_inputs(tree, hq, hkv)
     row = {"tree": spec, "hq": hq, "hkv": hkv, "requests": tree.num_queries, "tree_tokens": tree.num_tokens,
            "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bandwidth),
            "us": {}, "graph_us": {}, "plan_ms": {}}
