@@ -150,9 +150,11 @@ def test_precompile_launches_every_variant():
     heads = HeadConfig(8, 2, 16, torch.float32)
     shapes = launch_shapes(heads)
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
-    # x2 for the direct-output variant, x2 for the grid order, x2 for the mask split (masked
-    # plan only); merge head blocks 1, 2, 4, 8 with and without LSE
-    assert precompile(heads, page_size=16, device="cpu") == (2 * 2 + 2 * 2 * 2) * len(shapes) + 2 * 4
+    # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
+    # stages; x2 for the direct-output variant, x2 for the grid order, x2 for the mask split
+    # (masked plan only); merge head blocks 1, 2, 4, 8 with and without LSE
+    configs = sum(3 if s[3] >= 3 else 2 for s in shapes)
+    assert precompile(heads, page_size=16, device="cpu") == (2 * 2 + 2 * 2 * 2) * configs + 2 * 4
 
 
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),

@@ -122,7 +122,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
-            HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
+            CONTIG=launch.contig, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
@@ -186,7 +187,7 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, 
 
 def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
     """Launch every partial-attention variant (query-tile height x KV tile x tree mask x direct
-    output) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
+    output x grid order x mask split x slot addressing) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
     now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
 
     Returns the number of launches made.
@@ -205,12 +206,16 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        for (m, n, warps, stages), direct, inner, split in itertools.product(
-                launch_shapes(heads), (0, plan.num_direct), (False, True), (False, True)):
+        # contig launches may run one pipeline stage less (plan.contig_launches)
+        configs = [(m, n, warps, st, contig) for m, n, warps, stages in launch_shapes(heads)
+                   for contig, st in ((False, stages), (True, stages)) + ((True, stages - 1),) * (stages >= 3)]
+        for (m, n, warps, stages, contig), direct, inner, split in itertools.product(
+                configs, (0, plan.num_direct), (False, True), (False, True)):
             if split and not plan.has_mask:
                 continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
-                                                                heads_inner=inner, mask_split=split),),
+                                                                heads_inner=inner, mask_split=split,
+                                                                contig=contig),),
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1

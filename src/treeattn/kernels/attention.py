@@ -17,8 +17,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 def _attend_tile(
     q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    mask_lo, mask_hi, mask_pos, qpos, qprefix,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
@@ -26,8 +26,13 @@ def _attend_tile(
     the rows (query ``qpos``/``qprefix``) that do not see them."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_valid = offs_n < kv_end
-    # int64: page * stride overflows int32 on pools over 2 GiB
-    slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
+    if CONTIG:
+        # the unit's slots are one run: addresses are affine in n0, so the software pipeline
+        # issues the next tiles' K/V loads early (a gathered slot is a dependent load first)
+        slot = slot_base + offs_n
+    else:
+        # int64: page * stride overflows int32 on pools over 2 GiB
+        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
     # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
     page = slot // PAGE_SIZE
     in_page = slot % PAGE_SIZE
@@ -76,8 +81,8 @@ def _tree_partial_attention_kernel(
     stride_on, stride_oh, stride_ln,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
+    DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -108,6 +113,10 @@ def _tree_partial_attention_kernel(
     V += layer_offset
     kv_start = tl.load(work_kv_start + work)
     kv_end = tl.load(work_kv_end + work)
+    # with CONTIG, entry n of the unit is slot slot_base + n
+    slot_base = tl.zeros([], tl.int64)
+    if CONTIG:
+        slot_base = tl.load(kv_indices + kv_start).to(tl.int64) - kv_start
     row_start = tl.load(work_row_indptr + work)
     num_rows = tl.load(work_row_indptr + work + 1) - row_start
 
@@ -144,16 +153,16 @@ def _tree_partial_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, CONTIG=CONTIG, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     if HAS_MASK:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, CONTIG=CONTIG, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, group_order
 from treeattn.plan.plan import (
     HEADS_INNER_MIN_TOKENS,
@@ -19,8 +20,10 @@ from treeattn.plan.plan import (
     PlanHost,
     PlanIO,
     _block_m_choices,
-    split_masked_launches,
+    contig_launches,
     masked_entries,
+    split_masked_launches,
+    unit_runs,
 )
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -134,12 +137,13 @@ def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.n
 
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
                device="cpu", reason: str = "", requested_strategy: str | None = None,
-               candidates: tuple = ()) -> Plan:
+               candidates: tuple = (), num_sms: int = CostModel.num_sms) -> Plan:
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
     builds the KV slot list, the merge map, the tree mask (only when needed, with each work
-    unit's mask start) and the IO report.
+    unit's mask start) and the IO report. ``num_sms`` sizes the launches' pipelines
+    (:func:`~treeattn.plan.plan.contig_launches`).
     """
     topo = tree.topology
     group = heads.group
@@ -256,6 +260,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                                    masked=bool(item_masked[a]), heads_inner=long_units and not multi_tile[i]))
     if needs_mask:
         launches = split_masked_launches(launches, work_kv_start, work_mask_start)
+    gather_launches = tuple(launches)
+    launches = contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
+                               heads.num_kv_heads, num_sms)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(length.sum())
@@ -301,5 +308,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       tail_cover=_cover(start_tails, end_tails, tail.size),
                       work_mask_start=h["work_mask_start"],
                       mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
-                      saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
+                      saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
+                      gather_launches=gather_launches, num_sms=num_sms, tree=tree),
     )

@@ -102,6 +102,10 @@ class Launch:
     ``mask_split``: a masked launch runs each unit's tiles before its mask start unmasked, in a
     loop of their own; set where some unit has a whole tile before its mask start (the second
     loop slows the others, e.g. packed leaves masked from their start).
+
+    ``contig``: every work unit of the launch reads one run of consecutive slots, so the kernel
+    computes its K/V addresses instead of loading them from ``kv_indices`` (see
+    :func:`contig_launches`).
     """
 
     block_m: int
@@ -113,6 +117,7 @@ class Launch:
     masked: bool = True
     heads_inner: bool = False
     mask_split: bool = False
+    contig: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,6 +152,10 @@ class PlanHost:
         the mask starts are the ends).
     saw_all : bool [Q]
         Queries that see the whole of their node.
+    gather_launches : tuple of Launch
+        The plan's launches before :func:`contig_launches`, and the SM count it used (an update
+        sets ``contig`` again for its new KV list).
+    num_sms : int
     tree : DecodingTree
         The tree the plan was made for.
     """
@@ -167,6 +176,8 @@ class PlanHost:
     work_mask_start: np.ndarray
     mask_tails: np.ndarray | None
     saw_all: np.ndarray
+    gather_launches: tuple
+    num_sms: int
     tree: DecodingTree
 
 
@@ -282,6 +293,41 @@ class Plan:
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
+
+
+def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
+    """bool [W]: work unit ``w`` reads consecutive slots (``kv_slots[s + i] == kv_slots[s] + i``
+    over its range ``[s, e)``; empty units count as runs)."""
+    n = kv_slots.size
+    if n < 2:
+        return np.ones(work_kv_start.size, dtype=bool)
+    breaks = np.zeros(n, dtype=np.int32)  # breaks[i]: entries j <= i that do not follow j - 1
+    np.cumsum(np.diff(kv_slots) != 1, out=breaks[1:])
+    first = np.minimum(work_kv_start, n - 1)
+    last = np.clip(work_kv_end - 1, first, n - 1)
+    return breaks[last] == breaks[first]
+
+
+def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int) -> tuple:
+    """``launches`` with :attr:`Launch.contig` set where every work unit is a run of slots
+    (``is_run``, bool [W]) and affine addresses pay.
+
+    Affine addresses let the software pipeline issue the next tiles' K/V loads early (gathered
+    ones wait for their slot load first): a lone program walking 4K tokens runs 1.5x faster. The
+    deeper pipeline takes shared memory, so with more than three programs per SM a launch keeps
+    one stage less, and tall tiles of long KV tiles (64+ rows) keep gathered slots unless their
+    grid is a single wave (per-launch sweep on an H200: benchmarks/sweep_contig.py, NOTES.md).
+    """
+    out = []
+    for ln in launches:
+        programs = (ln.work_end - ln.work_start) * num_kv_heads
+        if not programs or not is_run[ln.work_start: ln.work_end].all() or \
+                (ln.block_m >= 64 and ln.block_n >= 64 and programs > num_sms):
+            out.append(ln)
+            continue
+        stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms else ln.num_stages
+        out.append(dataclasses.replace(ln, contig=True, num_stages=stages))
+    return tuple(out)
 
 
 def split_masked_launches(launches, work_kv_start: np.ndarray, work_mask_start: np.ndarray) -> tuple:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treeattn.plan.build import _positions
-from treeattn.plan.plan import Plan, PlanHost, masked_entries
+from treeattn.plan.plan import Plan, PlanHost, contig_launches, masked_entries, unit_runs
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
@@ -126,6 +126,12 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         mask=masked_entries(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
                             plan.launches) * 12 * heads.num_kv_heads if plan.has_mask else 0)
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
+    if any(ln.contig for ln in plan.launches):
+        # appended slots rarely follow their tail's: those units gather their slots again (a
+        # unit that was not a run stays one, so plans without contig launches skip the check)
+        t["launches"] = contig_launches(
+            h.gather_launches, unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"]),
+            heads.num_kv_heads, h.num_sms)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
         work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"],

@@ -1,0 +1,135 @@
+"""Affine KV addressing (``Launch.contig``): set only on launches whose work units each read one
+run of consecutive slots, kept honest by the lazy update, and the kernel's computed addresses
+give the reference output."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOL, random_tree, rel_l2
+
+from treeattn import DecodingTree, HeadConfig, TreeAttention
+from treeattn.plan import make_plan
+from treeattn.plan.plan import Launch, contig_launches, unit_runs
+from treeattn.reference import reference_attention
+from treeattn.workloads import tree_from_spec
+
+HEADS = HeadConfig(8, 2, 32, torch.float32)
+
+
+def runs_brute(slots, start, end):
+    return np.array([np.array_equal(slots[s:e], slots[s] + np.arange(e - s)) if e > s else True
+                     for s, e in zip(start, end)])
+
+
+def test_unit_runs_matches_brute_force(rng):
+    for n in (0, 1, 2, 50, 400):
+        slots = np.cumsum(rng.choice([1, 1, 1, 2, -3], n)).astype(np.int32) + 10
+        bounds = np.sort(rng.integers(0, n + 1, (30, 2)), axis=1)
+        assert np.array_equal(unit_runs(slots, bounds[:, 0], bounds[:, 1]),
+                              runs_brute(slots, bounds[:, 0], bounds[:, 1]))
+
+
+def test_contig_launch_rule():
+    """Runs only; tall tiles of long KV tiles keep gathering beyond one wave; more than three
+    programs per SM take one pipeline stage less."""
+    is_run = np.array([True] * 6 + [False] * 2)
+    launches = (Launch(16, 64, 0, 2, 4, 3), Launch(128, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
+                Launch(16, 64, 6, 8, 4, 3))
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4)  # 16 programs a launch
+    assert [ln.contig for ln in out] == [True, False, True, False]
+    assert [ln.num_stages for ln in out] == [2, 3, 2, 3]
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16)  # one wave
+    assert [ln.contig for ln in out] == [True, True, True, False]
+    assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
+
+
+def shuffled_pages(tree: DecodingTree, rng) -> DecodingTree:
+    """``tree`` with its pages in random pool order (slots inside a page stay consecutive)."""
+    ps = tree.page_size
+    pages = -(-int(tree.kv_indices.max() + 1) // ps)
+    perm = rng.permutation(pages)
+    kv = perm[tree.kv_indices // ps] * ps + tree.kv_indices % ps
+    return DecodingTree.from_parents(tree.parents, tree.lengths, query_nodes=tree.query_nodes,
+                                     query_prefix=tree.query_prefix, kv_indices=kv, page_size=ps)
+
+
+@pytest.mark.parametrize("strategy", ["node", "node_chunk", "sequence", "greedy", "pack", "flatten", "auto"])
+def test_contig_launches_read_runs_only(rng, strategy):
+    for tree in (tree_from_spec("1,4,16_300,40,9"), shuffled_pages(random_tree(rng, 30, 80), rng),
+                 random_tree(rng, 40, 70, roots=2, inner_queries=True)):
+        plan = make_plan(tree, HEADS, strategy=strategy)
+        slots = plan.kv_indices.numpy()
+        start, end = plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
+        runs = runs_brute(slots, start, end)
+        for ln, base in zip(plan.launches, plan.host.gather_launches):
+            assert not ln.contig or runs[ln.work_start:ln.work_end].all()
+            assert dataclasses.replace(ln, contig=False, num_stages=base.num_stages) == base
+
+
+def test_node_plan_of_a_fresh_pool_computes_its_addresses():
+    plan = make_plan(tree_from_spec("1,4,16_300,40,9"), HEADS, strategy="node")
+    assert all(ln.contig for ln in plan.launches)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("strategy", ["node", "sequence", "greedy"])
+def test_contig_kernel_matches_reference(rng, device, strategy, page_size):
+    """Contiguous node slots (one page-aligned run each), with a tree mask (queries inside
+    nodes): contig and gathered addresses give the reference output."""
+    tree = random_tree(rng, 12, 90, inner_queries=True)
+    tree = DecodingTree.from_parents(tree.parents, tree.lengths, query_nodes=tree.query_nodes,
+                                     query_prefix=tree.query_prefix, page_size=page_size)
+    attn = TreeAttention(device=device, backend="triton")
+    plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy=strategy)
+    assert strategy != "node" or any(ln.contig for ln in plan.launches)
+    gather = dataclasses.replace(plan, launches=plan.host.gather_launches)
+    q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
+    k = torch.randn(-(-tree.num_tokens // page_size), page_size, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    ref = reference_attention(q, k, v, tree)[0]
+    args = [t.float().to(device) for t in (q, k, v)]
+    assert rel_l2(attn.run(*args, plan), ref) <= TOL[torch.float32]
+    assert rel_l2(attn.run(*args, gather), ref) <= TOL[torch.float32]
+
+
+def grow(tree: DecodingTree, new_slots: np.ndarray) -> DecodingTree:
+    """``tree`` after one decode step: every query's node gains one token in ``new_slots``."""
+    grown = np.zeros(tree.num_nodes, dtype=np.int64)
+    grown[tree.query_nodes] = 1
+    lengths = tree.lengths + grown
+    indptr = np.concatenate(([0], np.cumsum(lengths)))
+    kv = np.empty(indptr[-1], dtype=np.int64)
+    old = np.ones(indptr[-1], dtype=bool)
+    old[indptr[1:][grown > 0] - 1] = False
+    kv[old], kv[~old] = tree.kv_indices, new_slots
+    return DecodingTree.from_parents(tree.parents, lengths, query_nodes=tree.query_nodes, kv_indices=kv,
+                                     page_size=tree.page_size)
+
+
+def test_update_keeps_contig_only_where_the_new_slots_follow(device):
+    """Leaves with a free slot after their last token keep computed addresses after an update;
+    new slots elsewhere in the pool turn the leaves' launches back to gathered slots."""
+    # root 50 tokens, 4 leaves of 20: each leaf's slots are followed by 12 free ones
+    lengths = [50, 20, 20, 20, 20]
+    starts = [0, 64, 96, 128, 160]
+    kv = np.concatenate([s + np.arange(n) for s, n in zip(starts, lengths)])
+    tree = DecodingTree.from_parents([-1, 0, 0, 0, 0], lengths, query_nodes=[1, 2, 3, 4], kv_indices=kv,
+                                     page_size=1, num_slots=256)
+    attn = TreeAttention(device=device, backend="triton")
+    plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy="node")
+    assert all(ln.contig for ln in plan.launches)
+    q = torch.randn(4, 8, 32, dtype=torch.float64)
+    k = torch.randn(256, 1, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    args = [t.float().to(device) for t in (q, k, v)]
+    for new, contig in ((np.array([84, 116, 148, 180]), True), (np.array([200, 201, 202, 203]), False)):
+        grown = grow(tree, new)
+        updated = attn.update(plan, grown)
+        assert updated.strategy == plan.strategy and updated.num_work == plan.num_work  # patched
+        leaf_launches = [ln for ln in updated.launches if ln.block_n == 32]  # (the root: 64)
+        assert leaf_launches and all(ln.contig == contig for ln in leaf_launches)
+        ref = reference_attention(q, k, v, grown)[0]
+        assert rel_l2(attn.run(*args, updated), ref) <= TOL[torch.float32]
