@@ -1,7 +1,7 @@
 """Probe: whole-plan latency of ``auto`` with gathered slots and with the contig rule
 (:func:`treeattn.plan.plan.contig_launches`). Session 10 compared three rules this way
 (results/h200_probe_contig_rule.json: counting each launch's programs alone, all the plan's
-programs, and the latter with a full pipeline only in one wave); the library keeps the second.
+programs, and the latter with a full pipeline only in one wave); the library keeps the first.
 
 Usage (H200)::
 

@@ -34,14 +34,14 @@ def test_unit_runs_matches_brute_force(rng):
 
 def test_contig_launch_rule():
     """Runs only; tall tiles of long KV tiles keep gathering beyond one wave; more than three
-    programs per SM take one pipeline stage less (programs of all launches counted)."""
+    programs per SM take one pipeline stage less (each launch's own programs)."""
     is_run = np.array([True] * 6 + [False] * 2)
     launches = (Launch(16, 64, 0, 2, 4, 3), Launch(128, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
                 Launch(16, 64, 6, 8, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16)  # 64 programs in all
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4)  # 16 programs a launch
     assert [ln.contig for ln in out] == [True, False, True, False]
     assert [ln.num_stages for ln in out] == [2, 3, 2, 3]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=64)  # one wave
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16)  # one wave each
     assert [ln.contig for ln in out] == [True, True, True, False]
     assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
 

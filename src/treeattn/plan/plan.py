@@ -314,15 +314,16 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
 
     Affine addresses let the software pipeline issue the next tiles' K/V loads early (gathered
     ones wait for their slot load first): a lone program walking 4K tokens runs 1.5x faster. The
-    deeper pipeline takes shared memory, so counting the programs of all launches (they run side
-    by side on streams): beyond three a SM a launch keeps one stage less, and tall tiles of long
-    KV tiles (64+ rows) keep gathered slots beyond one wave (per-launch and whole-plan sweeps on an
-    H200: benchmarks/sweep_contig.py, benchmarks/probe_contig_rule.py, NOTES.md).
+    deeper pipeline takes shared memory, so beyond three programs a SM a launch keeps one stage
+    less, and tall tiles of long KV tiles (64+ rows) keep gathered slots beyond one wave
+    (per-launch sweep on an H200: benchmarks/sweep_contig.py; counting the programs of all the
+    plan's launches instead, as they share the SMs on streams, was no better over the suite and
+    worse on two trees: benchmarks/probe_contig_rule.py, NOTES.md).
     """
-    programs = sum(ln.work_end - ln.work_start for ln in launches) * num_kv_heads
     out = []
     for ln in launches:
-        if ln.work_end == ln.work_start or not is_run[ln.work_start: ln.work_end].all() or \
+        programs = (ln.work_end - ln.work_start) * num_kv_heads
+        if not programs or not is_run[ln.work_start: ln.work_end].all() or \
                 (ln.block_m >= 64 and ln.block_n >= 64 and programs > num_sms):
             out.append(ln)
             continue
