@@ -291,15 +291,29 @@ def wait_idle(url: str, timeout: float, server: Server | None = None) -> dict:
 
 
 def server_delta(before: dict | None, after: dict | None) -> dict:
-    """Server-side counters of one rate (differences of two ``/health`` payloads)."""
+    """Server-side counters of one rate (differences of two ``/health`` payloads).
+
+    Derived: ``mean_batch`` (sequences per step); ``kv_io_saving``, ``1 - kv_unique_tokens /
+    kv_visible_tokens``, the share of decode attention's KV reads that reading each shared token
+    once saves (an upper bound of what prefix-aware attention can save); ``decode_step_ms``, the
+    mean wall time between device waits without a prefill; ``prefill_share``, the share of the
+    timed wall time that prefills took, each prefill interval less one ``decode_step_ms``.
+    """
     if not before or not after:
         return {}
     out = {}
-    for k in ("steps", "preemptions", "decoded_tokens", "prefix_hit_tokens", "prefill_tokens", "plan_ms"):
+    for k in ("steps", "preemptions", "decoded_tokens", "prefix_hit_tokens", "prefill_tokens", "plan_ms",
+              "kv_visible_tokens", "kv_unique_tokens", "prefill_ms", "prefill_steps", "decode_ms"):
         if k in before and k in after:
             out[k] = after[k] - before[k]
     if out.get("steps"):
         out["mean_batch"] = out.get("decoded_tokens", 0) / out["steps"]
+    if out.get("kv_visible_tokens"):
+        out["kv_io_saving"] = 1.0 - out["kv_unique_tokens"] / out["kv_visible_tokens"]
+    if "decode_ms" in out and out["steps"] > out["prefill_steps"]:
+        step = out["decode_step_ms"] = out["decode_ms"] / (out["steps"] - out["prefill_steps"])
+        total = out["prefill_ms"] + out["decode_ms"]
+        out["prefill_share"] = max(0.0, out["prefill_ms"] - out["prefill_steps"] * step) / total
     if "strategies" in after:
         b = before.get("strategies", {})
         out["strategies"] = {k: v - b.get(k, 0) for k, v in after["strategies"].items() if v - b.get(k, 0)}

@@ -180,6 +180,8 @@ def test_speculative_verification_matches_transformers(tiny, model):
     def spy(node, root, par, drafts):
         logits = orig(node, root, par, drafts)
         seen.append((eng.tree.tokens(node), drafts.tolist(), logits))
+        c, st = len(seen[-1][0]), eng.stats[-1]     # the root token sees c tokens, draft i c + depth
+        assert (st.visible_tokens, st.unique_tokens) == (c + 6 * c + 1 + 1 + 2 + 2 + 2 + 3, c + 6)
         return logits
 
     eng.verify = spy

@@ -330,3 +330,36 @@ def test_bench_deadline_cancels_and_frees(server):
     assert sum(after["strategies"].values()) > sum(before["strategies"].values())
     assert sched.engine.stats == []                # folded into the counters every step
     _assert_no_leak(sched)
+
+
+def _decode_stats(prompts, max_tokens):
+    """Counters of a fresh scheduler that decodes ``prompts`` greedily, all admitted together."""
+    from treeattn.serve import SamplingParams
+
+    engine = TreeEngine(TreeModel.random("tiny"), kv_tokens=4096, page_size=16, keep_reserved=True)
+    sched = Scheduler(engine, block_tokens=16)
+    for p in prompts:       # queued before the engine thread starts: one admission for all
+        sched.submit(p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), lambda ev: None)
+    sched.start()
+    try:
+        return _wait_idle(sched)
+    finally:
+        sched.stop()
+
+
+def test_stats_count_visible_and_unique_kv(one_thread, rng):
+    """One request sees its prompt and its outputs so far at every decode step (steps 1..T-1);
+    two requests with a common 32-token prefix read it once per step when shared."""
+    p, t = 40, 6
+    alone = _decode_stats([rng.integers(0, VOCAB, p).tolist()], t)
+    assert alone["kv_visible_tokens"] == alone["kv_unique_tokens"] == sum(p + k for k in range(1, t))
+    assert alone["prefill_steps"] == 1 and alone["prefill_ms"] > 0 and alone["decode_ms"] > 0
+    assert alone["steps"] == t
+
+    head = rng.integers(0, VOCAB, 32).tolist()
+    tails = [rng.integers(0, VOCAB, n).tolist() for n in (8, 12)]
+    apart = _decode_stats([rng.integers(0, VOCAB, 40).tolist(), rng.integers(0, VOCAB, 44).tolist()], t)
+    shared = _decode_stats([head + tails[0], head + tails[1]], t)
+    assert apart["kv_visible_tokens"] == apart["kv_unique_tokens"] == shared["kv_visible_tokens"]
+    assert shared["kv_visible_tokens"] - shared["kv_unique_tokens"] == 32 * (t - 1)
+    assert shared["prefill_steps"] == 1 and shared["steps"] == t

@@ -88,6 +88,18 @@ def test_plot_and_json(sweep, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["target"]["sequence_max_sustained_rate"] == 1.0
 
 
+def test_server_delta_derives_sharing_and_prefill_share(sweep):
+    before = {"steps": 10, "decoded_tokens": 20, "kv_visible_tokens": 100, "kv_unique_tokens": 100,
+              "prefill_ms": 50.0, "prefill_steps": 2, "decode_ms": 80.0, "strategies": {"auto": 8}}
+    after = {"steps": 30, "decoded_tokens": 100, "kv_visible_tokens": 1100, "kv_unique_tokens": 400,
+             "prefill_ms": 250.0, "prefill_steps": 7, "decode_ms": 230.0, "strategies": {"auto": 25}}
+    d = sweep.server_delta(before, after)
+    assert d["mean_batch"] == 4.0 and d["kv_io_saving"] == pytest.approx(0.7)
+    assert d["decode_step_ms"] == pytest.approx(150.0 / 15)           # 20 steps, 5 with a prefill
+    assert d["prefill_share"] == pytest.approx((200.0 - 5 * 10.0) / 350.0)
+    assert d["strategies"] == {"auto": 17}
+
+
 def test_server_command_passes_model_args(sweep):
     args = sweep.parse_args(["--random-weights", "llama3-8b", "--device", "cuda", "--dtype", "bfloat16",
                              "--kv-tokens", "1000", "--page-size", "32", "--rates", "2,0.5", "--out", "x.json"])
@@ -138,6 +150,9 @@ def test_sweep_end_to_end_tiny(sweep, tmp_path):
         assert s["requests"] == s["completed"] > 0 and s["failed"] == 0, s
         assert s["tpot"]["mean_ms"] > 0 and r["server"]["steps"] > 0 and r["server"]["mean_batch"] >= 1
         assert r["server"]["plan_ms"] > 0 and sum(r["server"]["strategies"].values()) > 0
+        srv = r["server"]
+        assert 0 < srv["kv_unique_tokens"] <= srv["kv_visible_tokens"] and 0 <= srv["kv_io_saving"] < 1
+        assert srv["prefill_ms"] > 0 and 1 <= srv["prefill_steps"] <= srv["steps"]
         assert isinstance(r["sustained"], bool)
     for strategy, info in res["servers"].items():
         assert info["exit_code"] == 0 and info["startup_s"] > 0, (strategy, info)

@@ -36,7 +36,9 @@ class StepStats:
     ``kv_ms``: tree and KV-cache bookkeeping; ``plan_ms``: attention planning and its upload
     (0 when a decode window reused its plan); ``forward_ms``: issuing the forward pass (its wall
     time when the engine synchronises); ``kv_bytes``: KV bytes one layer's attention loads under
-    the step's plan (``plan.io.kv``).
+    the step's plan (``plan.io.kv``); ``visible_tokens``: KV tokens the step's queries see, summed
+    over queries (what attention without prefix sharing reads); ``unique_tokens``: distinct KV
+    tokens they see (what attention that reads each shared token once reads).
     """
 
     step: int
@@ -50,6 +52,8 @@ class StepStats:
     forward_ms: float
     computed: bool
     kv_bytes: int = 0
+    visible_tokens: int = 0
+    unique_tokens: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +66,7 @@ class _Window:
     left: int
     expect: list       # own tokens each node must hold before the next step
     tokens: int        # KV tokens of the planned tree
+    above: tuple       # (visible, unique) KV tokens of the nodes above the queried leaves
 
 
 class TreeEngine:
@@ -274,11 +279,15 @@ class TreeEngine:
             if h > 1:
                 self.planner.set_prefix(plan, np.asarray(own))
             plan_ms = self.planner.last_ms
+            leaf = int(dtree.query_prefix.sum())      # the leaves' own tokens and reserved slots
+            above = (int(dtree.visible_tokens.sum()) - leaf, dtree.num_tokens - leaf)
             w = self._win = _Window(tuple(nodes), plan, self.planner.window_steps(plan, h), own,
-                                    dtree.num_tokens)
+                                    dtree.num_tokens, above)
         w.left -= 1
         w.expect = [o + 1 for o in own]
-        logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens)
+        mine = sum(own)
+        logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens,
+                               (w.above[0] + mine, w.above[1] + mine))
         for i, n in enumerate(nodes):
             self._logits[n] = (logits, i)
         return logits
@@ -315,13 +324,14 @@ class TreeEngine:
         dslots = self.kv.scratch(par.size)
         pos = np.concatenate((rpos, rpos[0] + depth))
         self._check_positions(pos)
-        plan, plan_ms, ntok = None, 0.0, 0
+        plan, plan_ms, ntok, seen = None, 0.0, 0, (0, 0)
         if self.compute:
             dtree = self.tree.decoding_tree([node], drafts=(node, par, dslots))
             plan, plan_ms, ntok = self.planner.plan(dtree), self.planner.last_ms, dtree.num_tokens
+            seen = (int(dtree.visible_tokens.sum()), int(dtree.node_extent.sum()))
         tokens = torch.cat((root_token.reshape(1), draft_tokens.reshape(-1)))
         logits = self._forward(tokens, pos, np.concatenate((rslot, dslots)), plan, "verify", t0,
-                               plan_ms, ntok)
+                               plan_ms, ntok, seen)
         self._verify = (node, dslots, draft_tokens.reshape(-1), logits)
         self._logits[node] = (logits, 0)
         return logits
@@ -354,7 +364,8 @@ class TreeEngine:
             self._logits[node] = (logits, 1 + drafts[-1])
         self._verify = None
 
-    def _forward(self, tokens, pos, slots, plan, kind, t0, plan_ms, tree_tokens) -> torch.Tensor:
+    def _forward(self, tokens, pos, slots, plan, kind, t0, plan_ms, tree_tokens,
+                 seen=(0, 0)) -> torch.Tensor:
         t1 = time.perf_counter()
         n = len(pos)
         if self.compute:
@@ -372,7 +383,8 @@ class TreeEngine:
             step=len(self.stats), kind=kind, queries=n, tree_nodes=self.tree.num_nodes,
             tree_tokens=int(tree_tokens), strategy=plan.strategy if plan is not None else "",
             kv_ms=(t1 - t0) * 1e3 - plan_ms, plan_ms=plan_ms, forward_ms=(t2 - t1) * 1e3,
-            computed=self.compute, kv_bytes=int(plan.io.kv) if plan is not None else 0))
+            computed=self.compute, kv_bytes=int(plan.io.kv) if plan is not None else 0,
+            visible_tokens=int(seen[0]), unique_tokens=int(seen[1])))
         for gone in [k for k in self._logits if k not in self.tree]:
             del self._logits[gone]
         return logits

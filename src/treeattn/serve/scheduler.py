@@ -10,6 +10,11 @@ preempted (its KV freed, its tokens kept) and later resumed by prefilling prompt
 
 The attention plan is updated lazily (PAT section 5.1): the engine plans a *decode window* of
 ``min(tokens left)`` steps at once and reuses it until the batch changes.
+
+The loop waits for the device once per step, when the sampled tokens come to the host; the wall
+time between two such waits (or from an idle wake-up) is counted as ``prefill_ms`` when the loop
+issued a prefill in it (the interval also holds one decode step) and as ``decode_ms`` otherwise, so
+no synchronisation is added to time them.
 """
 from __future__ import annotations
 
@@ -112,6 +117,13 @@ class Scheduler:
         self.max_batch_seen = 0
         self.strategies: dict[str, int] = {}  # decode steps per attention strategy the engine used
         self.plan_ms = 0.0                    # host time the engine spent planning attention
+        self.kv_visible = 0                   # KV tokens seen by the decode queries, summed per query
+        self.kv_unique = 0                    # distinct KV tokens seen by each step's decode queries
+        self.prefill_ms = 0.0                 # wall time between device waits that prefilled
+        self.prefill_steps = 0                # steps whose interval prefilled
+        self.decode_ms = 0.0                  # wall time between device waits that only decoded
+        self._synced = time.perf_counter()    # the last device wait (or idle wake-up)
+        self._synced_miss = 0                 # the cache's prefilled tokens at that time
 
     # ------------------------------------------------------------------ other threads
     def start(self) -> Scheduler:
@@ -175,13 +187,21 @@ class Scheduler:
         return fut.result(timeout)
 
     def stats(self) -> dict:
-        """Queue, batch, pool and cache numbers (read on the engine thread)."""
+        """Queue, batch, pool and cache numbers (read on the engine thread).
+
+        Besides the counters of the class: ``kv_visible_tokens`` and ``kv_unique_tokens`` sum,
+        over decode steps, the KV tokens the step's queries see (per query: what attention
+        without prefix sharing reads) and the distinct ones (what attention reading each shared
+        token once reads); ``prefill_ms``, ``prefill_steps`` and ``decode_ms``: see the module.
+        """
         def read():
             pool, c = self.engine.pool, self.cache
             return {"waiting": len(self._waiting), "running": len(self._running), "steps": self.steps,
                     "preemptions": self.preemptions, "decoded_tokens": self.decoded,
                     "max_batch_seen": self.max_batch_seen, "strategies": dict(self.strategies),
-                    "plan_ms": self.plan_ms,
+                    "plan_ms": self.plan_ms, "kv_visible_tokens": self.kv_visible,
+                    "kv_unique_tokens": self.kv_unique, "prefill_ms": self.prefill_ms,
+                    "prefill_steps": self.prefill_steps, "decode_ms": self.decode_ms,
                     "free_pages": pool.num_free_pages,
                     "num_pages": pool.num_pages, "cached_blocks": c.num_nodes,
                     "prefix_hit_tokens": c.hit_tokens, "prefill_tokens": c.miss_tokens}
@@ -209,6 +229,8 @@ class Scheduler:
                 self._calls.clear()
             for fn in calls:
                 fn()
+            if not self._running:         # no decode in flight: the next interval starts now
+                self._synced = time.perf_counter()
             try:
                 self._admit()
                 if self._running:
@@ -326,7 +348,8 @@ class Scheduler:
             if req.sampler is not None:
                 tokens[at: at + k] = req.sampler(logits[at: at + k])
             at += k
-        host = tokens.tolist()
+        host = tokens.tolist()            # waits for the device
+        self._count_interval()
         cont, cont_tok, events = [], [], {}
         for (req, i), tok in zip(order, host):
             p = req.params
@@ -360,4 +383,17 @@ class Scheduler:
             self.plan_ms += st.plan_ms
             if st.strategy:
                 self.strategies[st.strategy] = self.strategies.get(st.strategy, 0) + 1
+            self.kv_visible += st.visible_tokens
+            self.kv_unique += st.unique_tokens
         eng.stats.clear()
+
+    def _count_interval(self) -> None:
+        """Add the wall time since the last device wait to ``prefill_ms`` or ``decode_ms``."""
+        now, miss = time.perf_counter(), self.cache.miss_tokens
+        ms = (now - self._synced) * 1e3
+        if miss != self._synced_miss:
+            self.prefill_ms += ms
+            self.prefill_steps += 1
+        else:
+            self.decode_ms += ms
+        self._synced, self._synced_miss = now, miss
