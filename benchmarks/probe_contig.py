@@ -22,25 +22,16 @@ import torch
 from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
 from treeattn.bench.timing import graph_us
+from treeattn.plan.plan import unit_runs
 from treeattn.workloads import suite_trees, tree_from_spec
 
 HEADS = ((32, 32), (32, 8), (64, 8))
 EXTRA = ("1_256", "1_1024", "1_4096", "4_1024", "16_4096")
 
 
-def contig_units(plan) -> np.ndarray:
-    """bool [W]: unit w reads slots s, s + 1, ... (one run)."""
-    kv = plan.kv_indices.cpu().numpy().astype(np.int64)
-    lo = plan.work_kv_start.cpu().numpy().astype(np.int64)
-    hi = plan.work_kv_end.cpu().numpy().astype(np.int64)
-    brk = np.concatenate(([0], np.cumsum(np.diff(kv) != 1))) if kv.size else np.zeros(1, np.int64)
-    empty = hi <= lo
-    last = np.maximum(hi - 1, lo)
-    return empty | (brk[np.minimum(last, kv.size - 1)] == brk[np.minimum(lo, kv.size - 1)])
-
-
 def with_contig(plan):
-    ok = contig_units(plan)
+    h = plan.host
+    ok = unit_runs(h.kv_slots, h.work_kv_start, h.work_kv_end)
     launches = tuple(dataclasses.replace(x, contig=bool(ok[x.work_start:x.work_end].all()))
                      for x in plan.launches)
     return dataclasses.replace(plan, launches=launches), sum(x.contig for x in launches)

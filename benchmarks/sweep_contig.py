@@ -20,11 +20,12 @@ import json
 import numpy as np
 import torch
 
-from probe_contig import HEADS, contig_units
+from probe_contig import HEADS
 from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
 from treeattn.bench.timing import graph_us
 from treeattn.ops import partial_attention
+from treeattn.plan.plan import unit_runs
 from treeattn.workloads import suite_trees, tree_from_spec
 
 EXTRA = ("1_256", "1_1024", "1_4096", "4_1024", "16_4096", "64_2048", "32_8192")
@@ -47,7 +48,7 @@ def main() -> None:
                 if (spec, hq, hkv, plan.strategy) in seen:
                     continue
                 seen.add((spec, hq, hkv, plan.strategy))
-                ok = contig_units(plan)
+                ok = unit_runs(plan.host.kv_slots, plan.host.work_kv_start, plan.host.work_kv_end)
                 o_part, lse_part = w.partial_buffers(plan)
                 kv_start = plan.work_kv_start.cpu().numpy()
                 kv_end = plan.work_kv_end.cpu().numpy()

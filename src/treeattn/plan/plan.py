@@ -153,9 +153,9 @@ class PlanHost:
     saw_all : bool [Q]
         Queries that see the whole of their node.
     gather_launches : tuple of Launch
+    num_sms : int
         The plan's launches before :func:`contig_launches`, and the SM count it used (an update
         sets ``contig`` again for its new KV list).
-    num_sms : int
     tree : DecodingTree
         The tree the plan was made for.
     """
@@ -298,14 +298,11 @@ class Plan:
 def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
     """bool [W]: work unit ``w`` reads consecutive slots (``kv_slots[s + i] == kv_slots[s] + i``
     over its range ``[s, e)``; empty units count as runs)."""
-    n = kv_slots.size
-    if n < 2:
-        return np.ones(work_kv_start.size, dtype=bool)
-    breaks = np.zeros(n, dtype=np.int32)  # breaks[i]: entries j <= i that do not follow j - 1
-    np.cumsum(np.diff(kv_slots) != 1, out=breaks[1:])
-    first = np.minimum(work_kv_start, n - 1)
-    last = np.clip(work_kv_end - 1, first, n - 1)
-    return breaks[last] == breaks[first]
+    # entries that do not follow the one before (few where the pool's pages are in order): a
+    # unit is a run when none lies in (s, e)
+    breaks = np.flatnonzero(kv_slots[1:] - kv_slots[:-1] != 1) + 1
+    return (np.searchsorted(breaks, work_kv_start, side="right") ==
+            np.searchsorted(breaks, work_kv_end, side="left")) | (work_kv_end <= work_kv_start)
 
 
 def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int) -> tuple:
