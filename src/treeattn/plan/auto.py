@@ -20,19 +20,15 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
 def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: CostModel, *,
                   visible_tokens: int | None = None, kv_tokens: int | None = None) -> list:
     """:func:`estimate_items` of several item sets of ``tree``, rated together (one pass of the
-    cost model's numpy work for all). Each estimate is kept with its items: leaf packing rates
-    the items a planner returns, and ``auto`` rates them again."""
-    key = (tree, heads, cost)
-    todo = list({id(it): it for it in item_sets if key not in it.estimates}.values())
-    if todo:
-        if visible_tokens is None:
-            visible_tokens = int(tree.visible_tokens.sum())
-        if kv_tokens is None:
-            kv_tokens = int(tree.node_extent.sum())
-        sets = [_estimate_inputs(tree, it, visible_tokens, kv_tokens) for it in todo]
-        for it, est in zip(todo, cost._breakdown_many(sets, heads)):
-            it.estimates[key] = est
-    return [it.estimates[key] for it in item_sets]
+    cost model's numpy work for all; a set given twice is rated once)."""
+    if visible_tokens is None:
+        visible_tokens = int(tree.visible_tokens.sum())
+    if kv_tokens is None:
+        kv_tokens = int(tree.node_extent.sum())
+    unique = list({id(it): it for it in item_sets}.values())
+    sets = [_estimate_inputs(tree, it, visible_tokens, kv_tokens) for it in unique]
+    by_id = {id(it): est for it, est in zip(unique, cost._breakdown_many(sets, heads))}
+    return [by_id[id(it)] for it in item_sets]
 
 
 def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
@@ -62,10 +58,24 @@ def _estimate_inputs(tree: DecodingTree, items: WorkItems, visible_tokens: int, 
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
               ) -> tuple[str, WorkItems, str, tuple]:
     """Returns ``(chosen strategy, its items, reason, candidates)``: ``candidates`` are
-    ``(strategy, estimated seconds)`` of every planner, best estimate first."""
-    made = [(name, *planner(tree, heads, cost)) for name, planner in planners.items()]
-    estimates = estimate_many(tree, [items for _, items, _ in made], heads, cost)
-    scored = [(est["total"], name, items, note, est) for (name, items, note), est in zip(made, estimates)]
+    ``(strategy, estimated seconds)`` of every planner, best estimate first.
+
+    A planner with ``variants`` (:class:`~treeattn.plan.packing.LeafPackingPlanner`) hands back
+    its items with and without leaf packing; all are rated in one pass of the cost model, and
+    such a planner's candidate is the variant it would have chosen itself."""
+    made = [(name, *(planner.variants(tree, heads, cost) if hasattr(planner, "variants")
+                     else (*planner(tree, heads, cost), None, "")))
+            for name, planner in planners.items()]
+    sets = [m[1] for m in made] + [m[3] for m in made if m[3] is not None]
+    estimates = estimate_many(tree, sets, heads, cost)
+    packed_est = iter(estimates[len(made):])
+    scored = []
+    for (name, items, note, packed, packed_note), est in zip(made, estimates):
+        if packed is not None:
+            alt = next(packed_est)
+            if alt["total"] < est["total"]:  # (as the planner would choose)
+                items, note, est = packed, packed_note, alt
+        scored.append((est["total"], name, items, note, est))
     scored.sort(key=lambda s: s[0])
     close = [s for s in scored if s[0] <= scored[0][0] * (1.0 + cost.choice_margin)]
     _, name, items, note, est = min(close, key=lambda s: (_kernels(s[4]), s[0]))

@@ -16,7 +16,7 @@ import numpy as np
 
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, balance_split, glued_items, split_long_items
-from treeattn.plan.packing import choose_leaf_packing
+from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
 from treeattn.tree import DecodingTree
 
@@ -129,7 +129,7 @@ def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
     return decide
 
 
-def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+def _plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     glued = _assign_edges(tree, tree.subtree_queries * heads.group, cost)
     items = glued_items(tree, glued)
     note = ""
@@ -148,7 +148,7 @@ def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple
                                        min_len=cost.min_split_tokens)
         if max_len is not None:
             note = f"; long contexts split at {max_len} tokens (fair share of the work)"
-    items, k = choose_leaf_packing(tree, items, heads, cost)
-    if k > 1:
-        note += f"; leaf items packed {k} per item"
     return items, f"greedy: {int(glued.sum())} edges assigned 1{note}"
+
+
+plan_greedy = LeafPackingPlanner(_plan_greedy)

@@ -70,12 +70,6 @@ class WorkItems:
         self.__dict__["item_len"] = item_len  # (fills the cached property)
         return self
 
-    @functools.cached_property
-    def estimates(self) -> dict:
-        """Cost-model estimates of these items by ``(tree, heads, cost)``
-        (:func:`treeattn.plan.auto.estimate_items` fills it)."""
-        return {}
-
     def merge_rows_max(self, used: np.ndarray) -> int:
         """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
         rows to merge (0 without used items)."""
