@@ -87,7 +87,7 @@ def _launches_many(sets: list, heads: HeadConfig) -> list:
     else:
         kv_tiles = ((length - 1) >> (short_n.bit_length() - 1)) + 1
     if len(sets) > 1:
-        shape += np.repeat(np.arange(0, len(sets) * n_shapes, n_shapes), sizes)
+        shape += np.arange(0, len(sets) * n_shapes, n_shapes).repeat(sizes)
     # integer sums (ufunc.at is cheaper than weighted bincount here)
     programs = np.zeros(len(sets) * n_shapes, dtype=np.int64)
     np.add.at(programs, shape, tiles)

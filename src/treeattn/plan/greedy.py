@@ -66,7 +66,7 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
         len_v = (through - topo.path_tokens[top])[par]
         assigned = glued[kids]
         moved = nq * assigned  # rows that glued children take from the parent
-        before = np.cumsum(moved) - moved
+        before = moved.cumsum() - moved
         nq_cur = rows_v - (before - before[sib])  # earlier siblings only
         now = decide(len_v, nq_cur)
         if np.array_equal(now, assigned):

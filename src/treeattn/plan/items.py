@@ -73,8 +73,13 @@ class WorkItems:
     def merge_rows_max(self, used: np.ndarray) -> int:
         """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
         rows to merge (0 without used items)."""
-        q_used = self.q_indices if used.all() else self.q_indices[np.repeat(used, self.item_queries)]
+        q_used = self.q_indices if used.all() else self.q_indices[used.repeat(self.item_queries)]
         return int(np.bincount(q_used).max()) if q_used.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        """float64: for each query (up to the largest in an item), the sum of ``per_item`` (small
+        integers: exact) over the items it is in."""
+        return np.bincount(self.q_indices, per_item.repeat(self.item_queries))
 
     def take(self, keep: np.ndarray) -> "WorkItems":
         """The items selected by index array ``keep`` (in that order)."""
@@ -92,7 +97,7 @@ class WorkItems:
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
+    counts.cumsum(out=out[1:])
     return out
 
 
@@ -171,8 +176,16 @@ class DeferredItems(WorkItems):
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         q_item, q_query = self._pairs
+        if q_item is None:
+            return self.made.merge_rows_max(used)
         q = q_query if used.all() else q_query[used[q_item]]
         return int(np.bincount(q).max()) if q.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        q_item, q_query = self._pairs
+        if q_item is None:
+            return self.made.query_weights(per_item)
+        return np.bincount(q_query, per_item[q_item])
 
     @functools.cached_property
     def made(self) -> WorkItems:
@@ -187,7 +200,7 @@ class _SplitItems(DeferredItems):
     def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
         n = source.num_items
         base = _indptr(chunks)
-        chunk_item = np.repeat(np.arange(n), chunks)
+        chunk_item = np.arange(n).repeat(chunks)
         cl = chunk_len[chunk_item]
         super().__init__(
             np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl),
@@ -196,13 +209,14 @@ class _SplitItems(DeferredItems):
                              chunk_base=base)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
-        # each query of a source item is in that item's used chunks (counted per query with
-        # small integer weights, exact in float64): no need to make the chunks' query lists
+        # each query of a source item is in that item's used chunks: no need to make the chunks'
+        # query lists
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         src = self.source
-        used_chunks = np.bincount(self.chunk_item[used], minlength=src.num_items)
-        if not src.q_indices.size or not used_chunks.any():
-            return 0
-        return int(np.bincount(src.q_indices, np.repeat(used_chunks, src.item_queries)).max())
+        return src.query_weights(np.bincount(self.chunk_item, per_item, minlength=src.num_items))
 
     def _split(self) -> WorkItems:
         items, chunk_len, chunk_item, new_item_base = self.source, self.chunk_len, self.chunk_item, self.chunk_base
@@ -210,7 +224,7 @@ class _SplitItems(DeferredItems):
         num_new = int(new_item_base[-1])
         # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
         seg_len = items.seg_hi - items.seg_lo
-        seg_item = np.repeat(np.arange(n), items.seg_indptr[1:] - items.seg_indptr[:-1])
+        seg_item = np.arange(n).repeat(items.seg_indptr[1:] - items.seg_indptr[:-1])
         csum = _indptr(seg_len)
         seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
         live = np.flatnonzero(seg_len > 0)
@@ -218,9 +232,9 @@ class _SplitItems(DeferredItems):
         start0, len0 = seg_start[live], seg_len[live]
         c0 = start0 // cl
         pieces = (start0 + len0 - 1) // cl - c0 + 1
-        piece_seg = np.repeat(live, pieces)
+        piece_seg = live.repeat(pieces)
         piece_chunk = ranges(c0, c0 + pieces)
-        piece_cl = np.repeat(cl, pieces)
+        piece_cl = cl.repeat(pieces)
         offset = seg_start[piece_seg]
         start = np.maximum(piece_chunk * piece_cl, offset)
         end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
@@ -230,8 +244,8 @@ class _SplitItems(DeferredItems):
         q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
         q_tokens = None
         if items.q_tokens is not None and np.array_equal(items.q_tokens,
-                                                         np.repeat(items.item_len, items.item_queries)):
-            q_tokens = np.repeat(self.item_len, q_cnt)  # queries that saw their items whole see every chunk whole
+                                                         items.item_len.repeat(items.item_queries)):
+            q_tokens = self.item_len.repeat(q_cnt)  # queries that saw their items whole see every chunk whole
         # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
         # already grouped by new item
         return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],

@@ -31,7 +31,7 @@ def _node_items(tree: DecodingTree) -> WorkItems:
     extent = tree.node_extent
     nodes = np.flatnonzero(extent > 0)  # exactly the nodes of the pairs left
     q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
-    np.cumsum(np.bincount(node, minlength=tree.num_nodes)[nodes], out=q_indptr[1:])
+    np.bincount(node, minlength=tree.num_nodes)[nodes].cumsum(out=q_indptr[1:])
     seg_hi = extent[nodes]
     return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
                      visible).with_item_len(seg_hi)

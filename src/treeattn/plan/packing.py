@@ -99,7 +99,7 @@ class _PackedItems(DeferredItems):
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each (item, query) pair of the source is a pair of the item it went into
         leaf, src = self.leaf, self.source
-        leaf_rank = np.cumsum(leaf) - leaf
+        leaf_rank = leaf.cumsum() - leaf
         num_others = src.num_items - int(leaf_rank[-1] + leaf[-1])
         new_item = np.where(leaf, num_others + leaf_rank // self.k, np.arange(leaf.size) - leaf_rank)
         return src.merge_rows_max(used[new_item])
@@ -114,10 +114,10 @@ class _PackedItems(DeferredItems):
             others = slice(items.num_items - int(np.count_nonzero(leaf)))
         else:  # the others first, then the leaf items (one segment each), each in order
             others = ~leaf
-            seg_leaf = np.repeat(leaf, nseg)
+            seg_leaf = leaf.repeat(nseg)
             order = np.concatenate((np.flatnonzero(~seg_leaf), np.flatnonzero(seg_leaf)))
             seg = [a[order] for a in seg]
-            q_leaf = np.repeat(leaf, items.item_queries)
+            q_leaf = leaf.repeat(items.item_queries)
             order = np.concatenate((np.flatnonzero(~q_leaf), np.flatnonzero(q_leaf)))
             qs = [None if a is None else a[order] for a in qs]
         seg_count = np.append(nseg[others], np.full(num_packed, self.k))

@@ -71,11 +71,11 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         return plan if np.array_equal(tree.kv_indices, old.kv_indices) else None
     counts = grown[h.tail_node]  # tokens appended after each planned tail (0: not grown)
     inserted = np.zeros(counts.size + 1, dtype=np.int32)  # inserted[k]: after tails[:k]
-    np.cumsum(counts, out=inserted[1:])
+    counts.cumsum(out=inserted[1:])
     added = int(inserted[-1])
     # new entry i (the j-th of tail k, so i = inserted[k] + j) goes right after that tail, which
     # moves to tail_pos[k] + inserted[k]; it holds token kv_indptr[node + 1] - counts[k] + j
-    src = np.repeat(np.arange(counts.size), counts)  # k of each new entry
+    src = np.arange(counts.size).repeat(counts)  # k of each new entry
     i = np.arange(added)
     token = (tree.kv_indptr[1:][h.tail_node] - inserted[1:])[src] + i
     # the new entries name the appended tokens of every grown node with a planned tail (some more
@@ -105,9 +105,9 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         seg_len = h.seg_len.copy()
         seg_len[h.tail_seg] += counts
         seg = {"seg_len": seg_len}
-        host["mask_lo"] = np.repeat(h.seg_tin, seg_len)
-        host["mask_hi"] = np.repeat(h.seg_tout, seg_len)
-        host["mask_pos"] = _positions(h.seg_lo, seg_len, np.cumsum(seg_len) - seg_len, kv.size)
+        host["mask_lo"] = h.seg_tin.repeat(seg_len)
+        host["mask_hi"] = h.seg_tout.repeat(seg_len)
+        host["mask_pos"] = _positions(h.seg_lo, seg_len, seg_len.cumsum() - seg_len, kv.size)
         host["query_prefix"] = tree.query_prefix.astype(np.int32)
     t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
     device = plan.device
