@@ -23,7 +23,7 @@ from treeattn.plan.plan import (
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["build_plan"]
+__all__ = ["build_plan", "mask_rows"]
 
 
 def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -> np.ndarray:
@@ -88,12 +88,15 @@ def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> n
     return np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
 
 
-def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, total: int) -> np.ndarray:
-    """int32 [total]: position in its node of every entry of segments of ``seg_len`` entries,
-    ``seg_lo`` the first's and ``seg_kv`` where each segment's entries start."""
-    pos = np.arange(total, dtype=np.int32)
-    pos -= (seg_kv - seg_lo).astype(np.int32, copy=False).repeat(seg_len)
-    return pos
+def mask_rows(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray, seg_len: np.ndarray,
+              seg_kv: np.ndarray, total: int) -> np.ndarray:
+    """int32 [3, total]: the tree mask (``mask_lo``, ``mask_hi``, ``mask_pos``) of every entry of
+    segments of ``seg_len`` entries, from each segment's node range (int32 ``seg_tin``,
+    ``seg_tout``), the position in its node of its first entry (int32 ``seg_lo``) and where its
+    entries start (``seg_kv``). Each row is contiguous."""
+    rows = np.stack((seg_tin, seg_tout, seg_lo - seg_kv.astype(np.int32))).repeat(seg_len, axis=1)
+    rows[2] += np.arange(total, dtype=np.int32)
+    return rows
 
 
 def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pairs: np.ndarray,
@@ -218,8 +221,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
         seg_mask = [seg_len, seg_lo.astype(np.int32), seg_tin.astype(np.int32), seg_tout.astype(np.int32),
                     np.flatnonzero(at_tail)]
-        mask = [seg_mask[2].repeat(seg_len), seg_mask[3].repeat(seg_len),
-                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size), q_tin, tree.query_prefix]
+        mask = [*mask_rows(seg_mask[2], seg_mask[3], seg_mask[1], seg_len, seg_kv, kv_indices.size), q_tin,
+                tree.query_prefix]
     # where each item's mask starts (its end if none; without a plan mask, every end: a mask
     # added later sets its own starts)
     item_mask_start = item_kv_start + length

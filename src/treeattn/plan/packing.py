@@ -34,23 +34,23 @@ def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
         seg_node = items.seg_node
     else:
         seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
-    has_q = items.item_queries > 0
-    leaf = one & has_q
+    nq = items.item_queries
+    leaf = one & (nq > 0)
     if not leaf.any():
         return leaf
-    # the lowest and highest node of each item's queries (reduceat over items that have some)
-    starts = items.q_indptr[:-1][has_q]
-    qn = tree.query_nodes[items.q_indices]
-    node = seg_node[has_q]
-    leaf[has_q] &= (np.minimum.reduceat(qn, starts) == node) & (np.maximum.reduceat(qn, starts) == node)
+    # items with a query at another node are not
+    elsewhere = tree.query_nodes[items.q_indices] != seg_node.repeat(nq)
+    leaf[np.arange(nq.size).repeat(nq)[elsewhere]] = False
     return leaf
 
 
 def _median(values: np.ndarray) -> int:
     """``int(np.median(values))`` of non-negative integers, without its overhead."""
-    v = np.sort(values)
-    m = v.size // 2
-    return int(v[m]) if v.size % 2 else (int(v[m - 1]) + int(v[m])) // 2
+    m = values.size // 2
+    if values.size % 2:
+        return int(np.partition(values, m)[m])
+    v = np.partition(values, (m - 1, m))
+    return (int(v[m - 1]) + int(v[m])) // 2
 
 
 def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
@@ -89,8 +89,8 @@ class _PackedItems(DeferredItems):
         others, leaves = (slice(num_others), slice(num_others, n)) if tail else (~leaf, leaf)
         groups = np.arange(0, num_leaves, k)
         length, nq = source.item_len, source.item_queries
-        super().__init__(np.append(length[others], np.add.reduceat(length[leaves], groups)),
-                         np.append(nq[others], np.add.reduceat(nq[leaves], groups)), self._pack)
+        super().__init__(np.concatenate((length[others], np.add.reduceat(length[leaves], groups))),
+                         np.concatenate((nq[others], np.add.reduceat(nq[leaves], groups))), self._pack)
         masked = np.zeros(num_others + groups.size, dtype=bool)
         masked[num_others:] = True
         masked[-1] = num_leaves - groups[-1] > 1
@@ -146,11 +146,8 @@ def leaf_packing_variant(tree: DecodingTree, items: WorkItems, heads: HeadConfig
     k = 1 << (fit.bit_length() - 1)
     if needs_mask(tree, items):
         return None, 1
-    unmasked = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi, items.q_indptr,
-                         items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool)
-                         ).with_item_len(items.item_len)
-    packed = pack_leaf_items(unmasked, tree, k, group=heads.group, leaf=leaf)
-    return (None, 1) if packed is unmasked else (packed, k)
+    packed = pack_leaf_items(items, tree, k, group=heads.group, leaf=leaf)
+    return (None, 1) if packed is items else (packed, k)
 
 
 class LeafPackingPlanner:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.build import _positions
+from treeattn.plan.build import mask_rows
 from treeattn.plan.plan import Plan, PlanHost, masked_entries
 from treeattn.tree import DecodingTree
 
@@ -105,9 +105,8 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         seg_len = h.seg_len.copy()
         seg_len[h.tail_seg] += counts
         seg = {"seg_len": seg_len}
-        host["mask_lo"] = h.seg_tin.repeat(seg_len)
-        host["mask_hi"] = h.seg_tout.repeat(seg_len)
-        host["mask_pos"] = _positions(h.seg_lo, seg_len, seg_len.cumsum() - seg_len, kv.size)
+        host["mask_lo"], host["mask_hi"], host["mask_pos"] = mask_rows(
+            h.seg_tin, h.seg_tout, h.seg_lo, seg_len, seg_len.cumsum() - seg_len, kv.size)
         host["query_prefix"] = tree.query_prefix.astype(np.int32)
     t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
     device = plan.device
