@@ -285,36 +285,54 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     ``glued[c]`` says the edge ``parent(c) -> c`` is glued: ``c``'s queries attend to the parent's
     context inside ``c``'s item instead of in the parent's item. Each node ``b`` yields one item:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
-    the bottom of such a chain on their path.
+    the bottom of such a chain on their path. The chains (segments) are made when first read.
     """
-    n, parents, depth = tree.num_nodes, tree.parents, tree.topology.depth
+    n, parents, topo = tree.num_nodes, tree.parents, tree.topology
     glued = glued & (parents >= 0)
     # top of each node's chain, by pointer jumping
     top = np.where(glued, parents, np.arange(n))
-    for _ in range(int(depth.max()).bit_length()):
+    for _ in range(int(topo.depth.max()).bit_length()):
         top = top[top]
-    chain_len = depth - depth[top] + 1
-    seg_indptr = _indptr(chain_len)
-    # chain of every node: walk up from its own (last) slot of the chain, one level per step
-    chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
-    pos, cur = seg_indptr[1:] - 1, np.arange(n)
-    chain[pos] = cur
-    cur = np.flatnonzero(chain_len > 1)
-    pos = pos[cur]
-    while cur.size:
-        pos, cur = pos - 1, parents[cur]
-        chain[pos] = cur
-        up = glued[cur]
-        pos, cur = pos[up], cur[up]
+    # a chain's tokens: those (seen) on the path to its bottom, less those above its top
     extent = tree.node_extent
-    seg_hi = extent[chain]
-    item_len = _segment_sum(seg_hi, seg_indptr)
+    above = topo.path_tokens if _same(extent, tree.lengths) else _path_sums(topo, extent)
+    item_len = above + extent - above[top]
     # pairs by node: a pair's node is the bottom of a chain unless the next node on its query's
     # path is glued to it; a query sees its items whole, but for the item ending at its own
     # (effective) node, of which it sees the first ``visible`` tokens
     q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
     bottom = ~np.append(glued, False)[nxt]
-    b = node[bottom]
-    q_tokens = (item_len - extent)[b] + visible[bottom]
-    return WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi, _indptr(np.bincount(b, minlength=n)),
-                     q[bottom], q_tokens).with_item_len(item_len)
+    b, q = node[bottom], q[bottom]
+
+    def make() -> WorkItems:
+        chain_len = topo.depth - topo.depth[top] + 1
+        seg_indptr = _indptr(chain_len)
+        # chain of every node: walk up from its own (last) slot of the chain, one level per step
+        chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
+        pos, cur = seg_indptr[1:] - 1, np.arange(n)
+        chain[pos] = cur
+        cur = np.flatnonzero(chain_len > 1)
+        pos = pos[cur]
+        while cur.size:
+            pos, cur = pos - 1, parents[cur]
+            chain[pos] = cur
+            up = glued[cur]
+            pos, cur = pos[up], cur[up]
+        q_tokens = (item_len - extent)[b] + visible[bottom]
+        return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(np.bincount(b, minlength=n)),
+                         q, q_tokens)
+
+    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two int64 arrays of one shape, without its overhead."""
+    return a.tobytes() == b.tobytes()
+
+
+def _path_sums(topo, values: np.ndarray) -> np.ndarray:
+    """int64 [N]: the sum of ``values`` over each node's proper ancestors."""
+    delta = np.zeros(values.size + 1, dtype=np.int64)
+    delta[topo.tin] = values
+    np.subtract.at(delta, topo.tout, values)
+    return delta.cumsum()[topo.tin] - values
