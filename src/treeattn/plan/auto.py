@@ -2,7 +2,11 @@
 fastest, saying why in ``plan.explain()``."""
 from __future__ import annotations
 
-from treeattn.plan.cost import CostModel
+import itertools
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel, launches_by_group
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
@@ -20,15 +24,42 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
 def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: CostModel, *,
                   visible_tokens: int | None = None, kv_tokens: int | None = None) -> list:
     """:func:`estimate_items` of several item sets of ``tree``, rated together (one pass of the
-    cost model's numpy work for all; a set given twice is rated once)."""
+    cost model's numpy work for all; a set given twice is rated once).
+
+    Each set's inputs to the model: its used items' (with tokens and queries) lengths and
+    queries, the longest merge chain, the queries, the unique KV tokens and whether (or which
+    items) need the mask."""
     if visible_tokens is None:
         visible_tokens = int(tree.visible_tokens.sum())
     if kv_tokens is None:
         kv_tokens = int(tree.node_extent.sum())
     unique = list({id(it): it for it in item_sets}.values())
-    sets = [_estimate_inputs(tree, it, visible_tokens, kv_tokens) for it in unique]
-    by_id = {id(it): est for it, est in zip(unique, cost._breakdown_many(sets, heads))}
-    return [by_id[id(it)] for it in item_sets]
+    sizes = [it.num_items for it in unique]
+    bounds = [0, *itertools.accumulate(sizes)]
+    length = np.concatenate([it.item_len for it in unique])
+    nq = np.concatenate([it.item_queries for it in unique])
+    used = (length > 0) & (nq > 0)
+    rows = nq * used
+    # per set: (item, query) pairs and tokens over the used items
+    sums = np.zeros((2, length.size + 1), dtype=np.int64)
+    np.stack((rows, rows * length)).cumsum(axis=1, out=sums[:, 1:])
+    pairs_at, tokens_at = sums[:, bounds].tolist()
+    flags = [it.masked for it in unique]
+    flagged = None
+    if any(f is not None for f in flags):
+        flagged = np.concatenate([np.zeros(n, dtype=bool) if f is None else f for n, f in zip(sizes, flags)]) & used
+    set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
+    estimates = {}
+    for i, (it, launches) in enumerate(zip(unique, launches_by_group(length, nq, set_of, len(unique), flagged, heads))):
+        a, b = bounds[i], bounds[i + 1]
+        pairs, tokens = pairs_at[i + 1] - pairs_at[i], tokens_at[i + 1] - tokens_at[i]
+        # every visible token of a query is in exactly one of its items, so the items hold more
+        # (item, query) tokens than the queries see iff some query sees only part of an item: the
+        # plan needs the tree mask
+        masked = bool(flagged[a:b].any()) if flags[i] is not None else tokens > visible_tokens
+        estimates[id(it)] = cost.total(kv_tokens, pairs, it.merge_rows_max(used[a:b]), tree.num_queries, masked,
+                                       flags[i] is not None, launches, heads)
+    return [estimates[id(it)] for it in item_sets]
 
 
 def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
@@ -37,22 +68,6 @@ def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
     if items.masked is not None:
         return bool((items.masked & (items.item_len > 0) & (items.item_queries > 0)).any())
     return int(items.item_len @ items.item_queries) > int(tree.visible_tokens.sum())
-
-
-def _estimate_inputs(tree: DecodingTree, items: WorkItems, visible_tokens: int, kv_tokens: int) -> tuple:
-    """The cost model's inputs for ``items``: its used items' lengths and queries, the longest
-    merge chain, the queries, the unique KV tokens and whether (or which items) need the mask."""
-    length, nq, item_masked = items.item_len, items.item_queries, items.masked
-    used = (length > 0) & (nq > 0)
-    merge_rows_max = items.merge_rows_max(used)
-    if not used.all():
-        length, nq = length[used], nq[used]
-        item_masked = None if item_masked is None else item_masked[used]
-    # every visible token of a query is in exactly one of its items, so the items hold more
-    # (item, query) tokens than the queries see iff some query sees only part of an item: the
-    # plan needs the tree mask
-    masked = item_masked if item_masked is not None else int(length @ nq) > visible_tokens
-    return length, nq, merge_rows_max, tree.num_queries, kv_tokens, masked
 
 
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
