@@ -17,7 +17,7 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.engine.tuning import StrategyTuner
-from treeattn.plan.plan import masked_entries, split_masked_launches
+from treeattn.plan.plan import masked_entries, split_masked_launches, unit_mask_terms
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -181,7 +181,8 @@ class StepPlanner:
         common = dict(query_prefix=torch.from_numpy(tree.query_prefix.astype(np.int32)), launches=launches,
                       work_mask_start=torch.from_numpy(mask_start), io=io,
                       host=dataclasses.replace(h, work_mask_start=mask_start,
-                                               mask_tails=np.searchsorted(h.tail_pos, mask_start)))
+                                               mask_tails=np.searchsorted(h.tail_pos, mask_start),
+                                               unit_mask=unit_mask_terms(launches, plan.num_work)))
         if plan.has_mask:
             return dataclasses.replace(plan, **common)
 

@@ -57,7 +57,7 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
         # (item, query) tokens than the queries see iff some query sees only part of an item: the
         # plan needs the tree mask
         masked = bool(flagged[a:b].any()) if flags[i] is not None else tokens > visible_tokens
-        estimates[id(it)] = cost.total(kv_tokens, pairs, it.merge_rows_max(used[a:b]), tree.num_queries, masked,
+        estimates[id(it)] = cost.total(kv_tokens, pairs, it.used_merge_rows(used[a:b]), tree.num_queries, masked,
                                        flags[i] is not None, launches, heads)
     return [estimates[id(it)] for it in item_sets]
 

@@ -19,6 +19,7 @@ from treeattn.plan.plan import (
     PlanHost,
     PlanIO,
     _block_m_choices,
+    unit_mask_terms,
 )
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -313,5 +314,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       tail_cover=_cover(start_tails, end_tails, tail.size),
                       work_mask_start=h["work_mask_start"],
                       mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
+                      unit_mask=unit_mask_terms(launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes], tree=tree),
     )

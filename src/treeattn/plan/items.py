@@ -76,6 +76,14 @@ class WorkItems:
         q_used = self.q_indices if used.all() else self.q_indices[used.repeat(self.item_queries)]
         return int(np.bincount(q_used).max()) if q_used.size else 0
 
+    def used_merge_rows(self, used: np.ndarray) -> int:
+        """:meth:`merge_rows_max` of the used items (``used``: those with tokens and queries, as
+        the cost model finds them), computed once."""
+        rows = self.__dict__.get("_used_merge_rows")
+        if rows is None:
+            rows = self.__dict__["_used_merge_rows"] = self.merge_rows_max(used)
+        return rows
+
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         """float64: for each query (up to the largest in an item), the sum of ``per_item`` (small
         integers: exact) over the items it is in."""

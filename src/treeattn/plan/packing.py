@@ -94,7 +94,14 @@ class _PackedItems(DeferredItems):
         masked = np.zeros(num_others + groups.size, dtype=bool)
         masked[num_others:] = True
         masked[-1] = num_leaves - groups[-1] > 1
-        self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, masked=masked)
+        leaves_used = bool(((length[leaves] > 0) & (nq[leaves] > 0)).all())
+        self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, masked=masked, leaves_used=leaves_used)
+
+    def used_merge_rows(self, used: np.ndarray) -> int:
+        if self.leaves_used:  # (each used item's pairs go to a used item: the source's chains)
+            src = self.source
+            return src.used_merge_rows((src.item_len > 0) & (src.item_queries > 0))
+        return super().used_merge_rows(used)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each (item, query) pair of the source is a pair of the item it went into

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treeattn.plan.build import mask_rows
-from treeattn.plan.plan import Plan, PlanHost, masked_entries
+from treeattn.plan.plan import Plan, PlanHost, masked_entries_by_unit
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
@@ -122,8 +122,8 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         io, kv=io.kv + added * per_token,
         kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
         index=io.index + added_tiles * 4 * heads.num_kv_heads,
-        mask=masked_entries(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
-                            plan.launches) * 12 * heads.num_kv_heads if plan.has_mask else 0)
+        mask=masked_entries_by_unit(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
+                                    h.unit_mask) * 12 * heads.num_kv_heads if plan.has_mask else 0)
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
