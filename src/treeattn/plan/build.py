@@ -50,6 +50,8 @@ def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -
 #: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
 #: keeping the pointer alignment the kernels are specialised for.
 _ALIGN = 16
+#: Above every KV position and key (np.iinfo is slow to call).
+_NEVER = int(np.iinfo(np.int64).max)
 #: Mean segment length from which the KV slot list is copied segment by segment.
 _SLICE_MIN_TOKENS = 256
 
@@ -118,13 +120,13 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pair
     """
     first = run_pairs.cumsum() - run_pairs
     # items without such queries get keys that make every segment whole
-    k_min = np.full(item_end.size, np.iinfo(np.int64).max, dtype=np.int64)
+    k_min = np.full(item_end.size, _NEVER, dtype=np.int64)
     k_max = np.full(item_end.size, -1, dtype=np.int64)
     k_min[run_item] = np.minimum.reduceat(key, first)
     k_max[run_item] = np.maximum.reduceat(key, first)
     whole = (seg_key <= k_min.repeat(nseg)) & (k_max.repeat(nseg) < seg_tout * span)
     # segments are in KV order: the least start of one not seen whole
-    cut = np.minimum.reduceat(np.where(whole, np.iinfo(np.int64).max, seg_kv), nseg.cumsum() - nseg)
+    cut = np.minimum.reduceat(np.where(whole, _NEVER, seg_kv), nseg.cumsum() - nseg)
     return np.minimum(cut, item_end)
 
 

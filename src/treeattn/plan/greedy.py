@@ -59,19 +59,20 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     decide = costs(cost, nq, len_l)
     depth_bits = int(topo.depth.max()).bit_length()
     ids = np.arange(glued.size)
+    # the first guess, nothing assigned: a parent's chain is the parent, its rows all its own
+    assigned, len_v, nq_cur = np.zeros(kids.size, dtype=bool), tree.lengths[par], rows_v
     while True:
+        now = decide(len_v, nq_cur)
+        if np.array_equal(now, assigned):
+            return glued
+        glued[kids] = assigned = now
         top = np.where(glued, tree.parents, ids)
         for _ in range(depth_bits):
             top = top[top]
         len_v = (through - topo.path_tokens[top])[par]
-        assigned = glued[kids]
         moved = nq * assigned  # rows that glued children take from the parent
         before = moved.cumsum() - moved
         nq_cur = rows_v - (before - before[sib])  # earlier siblings only
-        now = decide(len_v, nq_cur)
-        if np.array_equal(now, assigned):
-            return glued
-        glued[kids] = now
 
 
 def _exact(cost: CostModel, rows: int, tokens: int) -> bool:
