@@ -168,11 +168,12 @@ class DeferredItems(WorkItems):
     queries ``make()`` returns (as :class:`WorkItems`) when first read. The cost model rates items
     from their lengths, query counts and merge rows alone, so ``auto``, which rates every
     strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
-    the items' (item, query) pairs in any order, for the merge rows."""
+    the items' (item, query) pairs in any order, for the merge rows (subclasses without them
+    override :meth:`merge_rows_max` and :meth:`query_weights`)."""
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
-    masked = None  # (deferred items are never flagged)
+    masked = None  # (deferred items are not flagged, but for packed leaf items)
 
     def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None):
         # (frozen dataclass: values go straight into the instance dict)
@@ -184,15 +185,11 @@ class DeferredItems(WorkItems):
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         q_item, q_query = self._pairs
-        if q_item is None:
-            return self.made.merge_rows_max(used)
         q = q_query if used.all() else q_query[used[q_item]]
         return int(np.bincount(q).max()) if q.size else 0
 
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         q_item, q_query = self._pairs
-        if q_item is None:
-            return self.made.query_weights(per_item)
         return np.bincount(q_query, per_item[q_item])
 
     @functools.cached_property

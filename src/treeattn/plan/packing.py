@@ -12,6 +12,8 @@ leaves, 1.06x with 32-token ones.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from treeattn.plan.auto import estimate_many, needs_mask
@@ -103,13 +105,20 @@ class _PackedItems(DeferredItems):
             return src.used_merge_rows((src.item_len > 0) & (src.item_queries > 0))
         return super().used_merge_rows(used)
 
-    def merge_rows_max(self, used: np.ndarray) -> int:
-        # each (item, query) pair of the source is a pair of the item it went into
-        leaf, src = self.leaf, self.source
+    @functools.cached_property
+    def new_item(self) -> np.ndarray:
+        """intp [source items]: the item each source item went into (with its (item, query)
+        pairs)."""
+        leaf = self.leaf
         leaf_rank = leaf.cumsum() - leaf
-        num_others = src.num_items - int(leaf_rank[-1] + leaf[-1])
-        new_item = np.where(leaf, num_others + leaf_rank // self.k, np.arange(leaf.size) - leaf_rank)
-        return src.merge_rows_max(used[new_item])
+        num_others = leaf.size - int(leaf_rank[-1] + leaf[-1])
+        return np.where(leaf, num_others + leaf_rank // self.k, np.arange(leaf.size) - leaf_rank)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        return self.source.merge_rows_max(used[self.new_item])
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        return self.source.query_weights(per_item[self.new_item])
 
     def _pack(self) -> WorkItems:
         items, leaf = self.source, self.leaf
