@@ -42,7 +42,8 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     rows = nq * used
     # per set: (item, query) pairs and tokens over the used items
     sums = np.zeros((2, length.size + 1), dtype=np.int64)
-    np.stack((rows, rows * length)).cumsum(axis=1, out=sums[:, 1:])
+    rows.cumsum(out=sums[0, 1:])
+    (rows * length).cumsum(out=sums[1, 1:])
     pairs_at, tokens_at = sums[:, bounds].tolist()
     flags = [it.masked for it in unique]
     flagged = None
