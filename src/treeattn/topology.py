@@ -122,7 +122,7 @@ def root_paths(parents: np.ndarray, depth: np.ndarray, nodes: np.ndarray) -> tup
     """:meth:`DecodingTree.paths`."""
     nodes = np.asarray(nodes, dtype=np.int64)
     count = depth[nodes] + 1
-    owner = np.repeat(np.arange(nodes.size), count)
+    owner = np.arange(nodes.size).repeat(count)
     top = int(count.max()) if count.size else 0
     if nodes.size * top <= 2 * owner.size:
         # paths of similar depths: every node's ancestors right-aligned in a [depth, node] table,
@@ -135,7 +135,7 @@ def root_paths(parents: np.ndarray, depth: np.ndarray, nodes: np.ndarray) -> tup
             cur = up[cur]
         table = table.T
         return owner, table.ravel() if owner.size == table.size else table[np.arange(top) >= top - count[:, None]]
-    end = np.cumsum(count)
+    end = count.cumsum()
     seg = np.empty(owner.size, dtype=np.int64)
     # walk up one level per step, writing each ancestor at its depth's slot of the path
     pos, cur = end - 1, nodes
@@ -180,7 +180,7 @@ def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         starts, counts = starts[nonempty], counts[nonempty]
     if counts.size == 0:
         return np.zeros(0, dtype=np.int64)
-    first = np.cumsum(counts)
+    first = counts.cumsum()
     if first[-1] == counts.size:
         return starts.copy()  # every range holds one value
     # one output-sized array: steps of 1, a jump to the next start at each range's first entry,
@@ -189,7 +189,7 @@ def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     first -= counts
     out[0] = starts[0]
     out[first[1:]] = starts[1:] - starts[:-1] - counts[:-1] + 1
-    return np.cumsum(out, out=out)
+    return out.cumsum(out=out)
 
 
 def _exclusive_segment_cumsum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:

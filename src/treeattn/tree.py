@@ -155,7 +155,8 @@ class DecodingTree:
         """int64 [N]: queries in each node's subtree (including the node's own queries)."""
         topo = self.topology
         at = np.bincount(topo.tin[self.query_nodes], minlength=self.num_nodes)
-        csum = np.concatenate(([0], np.cumsum(at)))
+        csum = np.zeros(at.size + 1, dtype=np.int64)
+        at.cumsum(out=csum[1:])
         return csum[topo.tout] - csum[topo.tin]
 
     @functools.cached_property
@@ -231,7 +232,8 @@ class DecodingTree:
         """int64 [N]: queries whose visible KV ends in each node's subtree."""
         topo = self.topology
         at = np.bincount(topo.tin[self.effective_queries[0]], minlength=self.num_nodes)
-        csum = np.concatenate(([0], np.cumsum(at)))
+        csum = np.zeros(at.size + 1, dtype=np.int64)
+        at.cumsum(out=csum[1:])
         return csum[topo.tout] - csum[topo.tin]
 
     @functools.cached_property

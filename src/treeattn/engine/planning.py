@@ -17,7 +17,7 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.engine.tuning import StrategyTuner
-from treeattn.plan.plan import masked_entries, split_masked_launches
+from treeattn.plan.plan import masked_entries, split_masked_launches, unit_mask_terms
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -167,21 +167,26 @@ class StepPlanner:
         h = plan.host
         start, end = h.work_kv_start, h.work_kv_end
         unit_hidden = hidden[end] > hidden[start]
-        # a launch the builder flagged keeps its flag: some query sees part of its items already
-        launches = tuple(dataclasses.replace(ln, masked=bool(
-            (plan.has_mask and ln.masked) or unit_hidden[ln.work_start: ln.work_end].any()))
-            for ln in plan.launches)
         # each unit's mask starts at its first hidden entry, or earlier where the builder's does
         # (a plan built without a mask has its starts at the ends)
         first_hidden = np.searchsorted(hidden, hidden[start] + 1) - 1
         mask_start = np.minimum(h.work_mask_start, first_hidden).astype(np.int32)
-        launches = split_masked_launches(launches, start, mask_start)
+
+        def masked(launches):
+            # a launch the builder flagged keeps its flag: some query sees part of its items already
+            return split_masked_launches(tuple(dataclasses.replace(ln, masked=bool(
+                (plan.has_mask and ln.masked) or unit_hidden[ln.work_start: ln.work_end].any()))
+                for ln in launches), start, mask_start)
+
+        launches = masked(plan.launches)
         hkv = plan.heads.num_kv_heads
         io = dataclasses.replace(plan.io, mask=masked_entries(start, mask_start, end, launches) * 12 * hkv)
         common = dict(query_prefix=torch.from_numpy(tree.query_prefix.astype(np.int32)), launches=launches,
                       work_mask_start=torch.from_numpy(mask_start), io=io,
                       host=dataclasses.replace(h, work_mask_start=mask_start,
-                                               mask_tails=np.searchsorted(h.tail_pos, mask_start)))
+                                               mask_tails=np.searchsorted(h.tail_pos, mask_start),
+                                               unit_mask=unit_mask_terms(launches, plan.num_work),
+                                               gather_launches=masked(h.gather_launches)))
         if plan.has_mask:
             return dataclasses.replace(plan, **common)
 

@@ -2,7 +2,11 @@
 fastest, saying why in ``plan.explain()``."""
 from __future__ import annotations
 
-from treeattn.plan.cost import CostModel
+import itertools
+
+import numpy as np
+
+from treeattn.plan.cost import CostModel, launches_by_group
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
@@ -20,19 +24,43 @@ def estimate_items(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost
 def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: CostModel, *,
                   visible_tokens: int | None = None, kv_tokens: int | None = None) -> list:
     """:func:`estimate_items` of several item sets of ``tree``, rated together (one pass of the
-    cost model's numpy work for all). Each estimate is kept with its items: leaf packing rates
-    the items a planner returns, and ``auto`` rates them again."""
-    key = (tree, heads, cost)
-    todo = list({id(it): it for it in item_sets if key not in it.estimates}.values())
-    if todo:
-        if visible_tokens is None:
-            visible_tokens = int(tree.visible_tokens.sum())
-        if kv_tokens is None:
-            kv_tokens = int(tree.node_extent.sum())
-        sets = [_estimate_inputs(tree, it, visible_tokens, kv_tokens) for it in todo]
-        for it, est in zip(todo, cost._breakdown_many(sets, heads)):
-            it.estimates[key] = est
-    return [it.estimates[key] for it in item_sets]
+    cost model's numpy work for all; a set given twice is rated once).
+
+    Each set's inputs to the model: its used items' (with tokens and queries) lengths and
+    queries, the longest merge chain, the queries, the unique KV tokens and whether (or which
+    items) need the mask."""
+    if visible_tokens is None:
+        visible_tokens = int(tree.visible_tokens.sum())
+    if kv_tokens is None:
+        kv_tokens = int(tree.node_extent.sum())
+    unique = list({id(it): it for it in item_sets}.values())
+    sizes = [it.num_items for it in unique]
+    bounds = [0, *itertools.accumulate(sizes)]
+    length = np.concatenate([it.item_len for it in unique])
+    nq = np.concatenate([it.item_queries for it in unique])
+    used = (length > 0) & (nq > 0)
+    rows = nq * used
+    # per set: (item, query) pairs and tokens over the used items
+    sums = np.zeros((2, length.size + 1), dtype=np.int64)
+    rows.cumsum(out=sums[0, 1:])
+    (rows * length).cumsum(out=sums[1, 1:])
+    pairs_at, tokens_at = sums[:, bounds].tolist()
+    flags = [it.masked for it in unique]
+    flagged = None
+    if any(f is not None for f in flags):
+        flagged = np.concatenate([np.zeros(n, dtype=bool) if f is None else f for n, f in zip(sizes, flags)]) & used
+    set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
+    estimates = {}
+    for i, (it, launches) in enumerate(zip(unique, launches_by_group(length, nq, set_of, len(unique), flagged, heads))):
+        a, b = bounds[i], bounds[i + 1]
+        pairs, tokens = pairs_at[i + 1] - pairs_at[i], tokens_at[i + 1] - tokens_at[i]
+        # every visible token of a query is in exactly one of its items, so the items hold more
+        # (item, query) tokens than the queries see iff some query sees only part of an item: the
+        # plan needs the tree mask
+        masked = bool(flagged[a:b].any()) if flags[i] is not None else tokens > visible_tokens
+        estimates[id(it)] = cost.total(kv_tokens, pairs, it.used_merge_rows(used[a:b]), tree.num_queries, masked,
+                                       flags[i] is not None, launches, heads)
+    return [estimates[id(it)] for it in item_sets]
 
 
 def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
@@ -43,29 +71,27 @@ def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
     return int(items.item_len @ items.item_queries) > int(tree.visible_tokens.sum())
 
 
-def _estimate_inputs(tree: DecodingTree, items: WorkItems, visible_tokens: int, kv_tokens: int) -> tuple:
-    """The cost model's inputs for ``items``: its used items' lengths and queries, the longest
-    merge chain, the queries, the unique KV tokens and whether (or which items) need the mask."""
-    length, nq, item_masked = items.item_len, items.item_queries, items.masked
-    used = (length > 0) & (nq > 0)
-    merge_rows_max = items.merge_rows_max(used)
-    if not used.all():
-        length, nq = length[used], nq[used]
-        item_masked = None if item_masked is None else item_masked[used]
-    # every visible token of a query is in exactly one of its items, so the items hold more
-    # (item, query) tokens than the queries see iff some query sees only part of an item: the
-    # plan needs the tree mask
-    masked = item_masked if item_masked is not None else int(length @ nq) > visible_tokens
-    return length, nq, merge_rows_max, tree.num_queries, kv_tokens, masked
-
-
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
               ) -> tuple[str, WorkItems, str, tuple]:
     """Returns ``(chosen strategy, its items, reason, candidates)``: ``candidates`` are
-    ``(strategy, estimated seconds)`` of every planner, best estimate first."""
-    made = [(name, *planner(tree, heads, cost)) for name, planner in planners.items()]
-    estimates = estimate_many(tree, [items for _, items, _ in made], heads, cost)
-    scored = [(est["total"], name, items, note, est) for (name, items, note), est in zip(made, estimates)]
+    ``(strategy, estimated seconds)`` of every planner, best estimate first.
+
+    A planner with ``variants`` (:class:`~treeattn.plan.packing.LeafPackingPlanner`) hands back
+    its items with and without leaf packing; all are rated in one pass of the cost model, and
+    such a planner's candidate is the variant it would have chosen itself."""
+    made = [(name, *(planner.variants(tree, heads, cost) if hasattr(planner, "variants")
+                     else (*planner(tree, heads, cost), None, "")))
+            for name, planner in planners.items()]
+    sets = [m[1] for m in made] + [m[3] for m in made if m[3] is not None]
+    estimates = estimate_many(tree, sets, heads, cost)
+    packed_est = iter(estimates[len(made):])
+    scored = []
+    for (name, items, note, packed, packed_note), est in zip(made, estimates):
+        if packed is not None:
+            alt = next(packed_est)
+            if alt["total"] < est["total"]:  # (as the planner would choose)
+                items, note, est = packed, packed_note, alt
+        scored.append((est["total"], name, items, note, est))
     scored.sort(key=lambda s: s[0])
     close = [s for s in scored if s[0] <= scored[0][0] * (1.0 + cost.choice_margin)]
     _, name, items, note, est = min(close, key=lambda s: (_kernels(s[4]), s[0]))

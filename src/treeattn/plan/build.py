@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, group_order
+from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.plan import (
     HEADS_INNER_MIN_TOKENS,
     SHORT_ITEM_TOKENS,
@@ -21,24 +21,23 @@ from treeattn.plan.plan import (
     PlanIO,
     _block_m_choices,
     contig_launches,
-    masked_entries,
-    split_masked_launches,
+    unit_mask_terms,
     unit_runs,
 )
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["build_plan"]
+__all__ = ["build_plan", "mask_rows"]
 
 
 def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -> np.ndarray:
     """int64 [nnz]: tokens of its item that each (item, query) pair sees (``q_item``: the item of
     each pair)."""
-    nseg = np.diff(items.seg_indptr)[q_item]
+    nseg = (items.seg_indptr[1:] - items.seg_indptr[:-1])[q_item]
     one_seg = bool(np.all(nseg == 1))  # (the common case: one entry per pair)
     pair_seg = items.seg_indptr[q_item] if one_seg else ranges(items.seg_indptr[q_item],
                                                                  items.seg_indptr[q_item + 1])
-    pair_q = items.q_indices if one_seg else np.repeat(items.q_indices, nseg)
+    pair_q = items.q_indices if one_seg else items.q_indices.repeat(nseg)
     vis = np.minimum(items.seg_hi[pair_seg], tree.sees(items.seg_node[pair_seg], pair_q))
     vis -= items.seg_lo[pair_seg]
     np.maximum(vis, 0, out=vis)
@@ -46,14 +45,16 @@ def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -
         return vis
     # sum over each pair's segments (pairs are in order, each with nseg consecutive entries)
     csum = np.zeros(vis.size + 1, dtype=np.int64)
-    np.cumsum(vis, out=csum[1:])
-    end = np.cumsum(nseg)
+    vis.cumsum(out=csum[1:])
+    end = nseg.cumsum()
     return csum[end] - csum[end - nseg]
 
 
 #: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
 #: keeping the pointer alignment the kernels are specialised for.
 _ALIGN = 16
+#: Above every KV position and key (np.iinfo is slow to call).
+_NEVER = int(np.iinfo(np.int64).max)
 #: Mean segment length from which the KV slot list is copied segment by segment.
 _SLICE_MIN_TOKENS = 256
 
@@ -93,12 +94,15 @@ def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> n
     return np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
 
 
-def _positions(seg_lo: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray, total: int) -> np.ndarray:
-    """int32 [total]: position in its node of every entry of segments of ``seg_len`` entries,
-    ``seg_lo`` the first's and ``seg_kv`` where each segment's entries start."""
-    pos = np.arange(total, dtype=np.int32)
-    pos -= np.repeat((seg_kv - seg_lo).astype(np.int32, copy=False), seg_len)
-    return pos
+def mask_rows(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray, seg_len: np.ndarray,
+              seg_kv: np.ndarray, total: int) -> np.ndarray:
+    """int32 [3, total]: the tree mask (``mask_lo``, ``mask_hi``, ``mask_pos``) of every entry of
+    segments of ``seg_len`` entries, from each segment's node range (int32 ``seg_tin``,
+    ``seg_tout``), the position in its node of its first entry (int32 ``seg_lo``) and where its
+    entries start (``seg_kv``). Each row is contiguous."""
+    rows = np.stack((seg_tin, seg_tout, seg_lo - seg_kv.astype(np.int32))).repeat(seg_len, axis=1)
+    rows[2] += np.arange(total, dtype=np.int32)
+    return rows
 
 
 def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pairs: np.ndarray,
@@ -117,22 +121,22 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pair
     node's queries. As ``span`` exceeds every ``hi`` and prefix, all but the last test is
     ``seg_key <= min key`` and the last ``max key < tout[u] * span``.
     """
-    first = np.cumsum(run_pairs) - run_pairs
+    first = run_pairs.cumsum() - run_pairs
     # items without such queries get keys that make every segment whole
-    k_min = np.full(item_end.size, np.iinfo(np.int64).max, dtype=np.int64)
+    k_min = np.full(item_end.size, _NEVER, dtype=np.int64)
     k_max = np.full(item_end.size, -1, dtype=np.int64)
     k_min[run_item] = np.minimum.reduceat(key, first)
     k_max[run_item] = np.maximum.reduceat(key, first)
-    whole = (seg_key <= np.repeat(k_min, nseg)) & (np.repeat(k_max, nseg) < seg_tout * span)
+    whole = (seg_key <= k_min.repeat(nseg)) & (k_max.repeat(nseg) < seg_tout * span)
     # segments are in KV order: the least start of one not seen whole
-    cut = np.minimum.reduceat(np.where(whole, np.iinfo(np.int64).max, seg_kv), np.cumsum(nseg) - nseg)
+    cut = np.minimum.reduceat(np.where(whole, _NEVER, seg_kv), nseg.cumsum() - nseg)
     return np.minimum(cut, item_end)
 
 
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
     """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
-    return np.cumsum(np.bincount(start_tails, minlength=n_tails + 1)
-                     - np.bincount(end_tails, minlength=n_tails + 1))[:-1]
+    change = np.bincount(start_tails, minlength=n_tails + 1) - np.bincount(end_tails, minlength=n_tails + 1)
+    return change.cumsum()[:-1]
 
 
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
@@ -153,13 +157,13 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     if (items.seg_hi < items.seg_lo).any():
         raise ValueError("planner produced a segment with negative length")
     length = items.item_len
-    q_item = np.repeat(np.arange(items.num_items), items.item_queries)
+    q_item = np.arange(items.num_items).repeat(items.item_queries)
     vis = _pair_visibility(tree, items, q_item) if items.q_tokens is None else items.q_tokens
     keep_pair = vis > 0
     if not keep_pair.all():
         counts = np.bincount(q_item[keep_pair], minlength=items.num_items)
         items = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi,
-                          np.concatenate(([0], np.cumsum(counts))), items.q_indices[keep_pair])
+                          _indptr(counts), items.q_indices[keep_pair])
         vis = vis[keep_pair]
         q_item = q_item[keep_pair]
     nq = items.item_queries
@@ -198,28 +202,34 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # KV slots
     seg_len = seg_hi - seg_lo
     kv_indices = _gather_slots(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len)
-    seg_kv = np.cumsum(seg_len) - seg_len  # each segment's first entry
+    seg_kv = seg_len.cumsum() - seg_len  # each segment's first entry
     # entries holding the last token of their node: at most one per segment
     node_len = tree.lengths[seg_node]
     at_tail = (seg_lo < node_len) & (node_len <= seg_hi)
     tail = (seg_kv + node_len - 1 - seg_lo)[at_tail]
-    item_kv_start = np.concatenate(([0], np.cumsum(length)))[:-1]
+    item_bound = _indptr(length)  # each item's first entry, and the end
+    item_kv_start = item_bound[:-1]
     # work units = query tiles
-    w_item = np.repeat(np.arange(n_items), tiles)
-    w_first = np.cumsum(tiles) - tiles
-    w_tile = np.arange(w_item.size) - w_first[w_item]
-    w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
-    work_row_indptr = np.concatenate(([0], np.cumsum(w_rows)))
+    w_bound = _indptr(tiles)
+    num_work = int(w_bound[-1])
+    if num_work == n_items:  # (one tile per item)
+        w_item = np.arange(n_items)
+        work_row_indptr = _indptr(nq)
+    else:
+        w_item = np.arange(n_items).repeat(tiles)
+        w_tile = np.arange(num_work) - w_bound[w_item]
+        w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
+        work_row_indptr = _indptr(w_rows)
     work_kv_start = item_kv_start[w_item]
-    work_kv_end = work_kv_start + length[w_item]
+    work_kv_end = item_bound[1:][w_item]
     # tree mask, built as int32: each entry's node range and position in its node
     mask, seg_mask = [None] * 5, [None] * 5
     if needs_mask:
         seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
         seg_mask = [seg_len, seg_lo.astype(np.int32), seg_tin.astype(np.int32), seg_tout.astype(np.int32),
                     np.flatnonzero(at_tail)]
-        mask = [np.repeat(seg_mask[2], seg_len), np.repeat(seg_mask[3], seg_len),
-                _positions(seg_mask[1], seg_len, seg_kv, kv_indices.size), q_tin, tree.query_prefix]
+        mask = [*mask_rows(seg_mask[2], seg_mask[3], seg_mask[1], seg_len, seg_kv, kv_indices.size), q_tin,
+                tree.query_prefix]
     # where each item's mask starts (its end if none; without a plan mask, every end: a mask
     # added later sets its own starts)
     item_mask_start = item_kv_start + length
@@ -236,45 +246,50 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     if merge_order is None:
         merge_order = np.arange(row_q.size)
     q_rows = np.bincount(row_q, minlength=tree.num_queries)
-    merge_indptr = np.concatenate(([0], np.cumsum(q_rows)))
+    merge_indptr = _indptr(q_rows)
     row_direct = q_rows[row_q] == 1
     num_direct = int(np.count_nonzero(row_direct))
     merge_q = np.flatnonzero(q_rows != 1)
     # launches: items (so work units) are grouped by shape. A launch applies the tree mask when
     # one of its items needs it (an extra launch would cost more)
     first = [0] + (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
-    if n_items:
-        item_masked = np.repeat(np.logical_or.reduceat(item_masked, first), np.diff(first + [n_items]))
-    w_bounds = np.append(w_first, w_item.size).tolist()
-    # grid order: KV heads side by side for launches of long work units, unless an item has
-    # several query tiles (those re-read the item's KV, and hit L2 when adjacent in the grid)
     bounds = first + [n_items]
-    item_tokens = np.concatenate(([0], np.cumsum(length)))[bounds].tolist()
-    multi_tile = np.logical_or.reduceat(tiles > 1, first).tolist() if n_items else []
-    launches = []
-    for i, (a, b) in enumerate(zip(first, bounds[1:])):
-        if w_bounds[b] > w_bounds[a]:
+    kv_tiles = length * tiles  # KV entries of all of each item's work units
+    launches, mask_entries = [], 0
+    if n_items:
+        masked = np.logical_or.reduceat(item_masked, first).tolist()
+        # grid order: KV heads side by side for launches of long work units, unless an item has
+        # several query tiles (those re-read the item's KV, and hit L2 when adjacent in the grid)
+        multi_tile = np.logical_or.reduceat(tiles > 1, first).tolist()
+        w_bounds, item_tokens = w_bound[bounds].tolist(), item_bound[bounds].tolist()
+        if needs_mask:  # (masked_entries and split_masked_launches, from the items)
+            lead = item_mask_start - item_kv_start
+            longest_lead = np.maximum.reduceat(lead, first).tolist()
+            item_block_n = np.array([c[0] for c in kv_cfgs])[shape % len(kv_cfgs)]
+            split_tiles = tiles * (length - lead + (lead & (item_block_n - 1)))  # (from the tile of the start)
+            sums = list(zip(np.add.reduceat(kv_tiles, first).tolist(), np.add.reduceat(split_tiles, first).tolist()))
+        for i, (a, b) in enumerate(zip(first, bounds[1:])):
             block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
             long_units = item_tokens[i + 1] - item_tokens[i] >= HEADS_INNER_MIN_TOKENS * (b - a)
-            launches.append(Launch(int(block_m[a]), block_n, w_bounds[a], w_bounds[b], num_warps, num_stages,
-                                   masked=bool(item_masked[a]), heads_inner=long_units and not multi_tile[i]))
-    if needs_mask:
-        launches = split_masked_launches(launches, work_kv_start, work_mask_start)
+            split = needs_mask and masked[i] and longest_lead[i] >= block_n
+            if needs_mask and masked[i]:
+                mask_entries += sums[i][split]
+            launches.append(Launch(int(block_m[a]), block_n, w_bounds[i], w_bounds[i + 1], num_warps, num_stages,
+                                   masked=masked[i], heads_inner=long_units and not multi_tile[i], mask_split=split))
     gather_launches = tuple(launches)
     launches = contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
                                heads.num_kv_heads, num_sms)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
-    kv_tok = int(length.sum())
-    kv_tok_tiles = int((length * tiles).sum())
+    kv_tok = int(item_bound[-1])
+    kv_tok_tiles = int(kv_tiles.sum())
     io = PlanIO(
         kv=kv_tok * hkv * d * 2 * eb,
         kv_tile_rereads=(kv_tok_tiles - kv_tok) * hkv * d * 2 * eb,
         queries=int(row_q.size) * hq * d * eb,
         partial_write=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
         partial_read=(int(row_q.size) - num_direct) * heads.partial_row_bytes(),
-        mask=masked_entries(work_kv_start, work_mask_start, work_kv_end, launches) * 3 * 4 * hkv
-        if needs_mask else 0,
+        mask=mask_entries * 3 * 4 * hkv,
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
@@ -308,6 +323,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       tail_cover=_cover(start_tails, end_tails, tail.size),
                       work_mask_start=h["work_mask_start"],
                       mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
+                      unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
                       gather_launches=gather_launches, num_sms=num_sms, tree=tree),
     )

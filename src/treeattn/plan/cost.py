@@ -24,7 +24,7 @@ from treeattn.plan.plan import (
     _block_m_choices,
 )
 
-__all__ = ["CostModel", "launch_features"]
+__all__ = ["CostModel", "launch_features", "launches_by_group"]
 
 
 def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig) -> np.ndarray:
@@ -69,9 +69,20 @@ def _launches_many(sets: list, heads: HeadConfig) -> list:
     if not sum(sizes):
         return [[] for _ in sets]
     length, nq = (np.concatenate(a) if len(sets) > 1 else a[0] for a in zip(*(s[:2] for s in sets)))
-    group = heads.group
-    block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(group, heads.head_dim)
-    m_idx = np.searchsorted(block_m, nq * group if group > 1 else nq)
+    group = np.arange(len(sets)).repeat(sizes) if len(sets) > 1 else 0
+    flagged = None
+    if any(s[2] is not None for s in sets):
+        flagged = np.concatenate([np.zeros(n, dtype=bool) if s[2] is None else s[2] for n, s in zip(sizes, sets)])
+    return launches_by_group(length, nq, group, len(sets), flagged, heads)
+
+
+def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int, flagged: np.ndarray | None,
+                      heads: HeadConfig) -> list:
+    """:func:`_launches` of the items of ``num_groups`` sets at once: ``group`` (int [items] or a
+    scalar) is each item's set, ``num_groups`` for items to leave out; ``flagged`` (bool [items]
+    or None) the items whose launch applies the mask. Returns a list of launches per set."""
+    block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(heads.group, heads.head_dim)
+    m_idx = np.searchsorted(block_m, nq * heads.group if heads.group > 1 else nq)
     np.minimum(m_idx, block_m.size - 1, out=m_idx)
     # an item whose rows fit a smaller tile has one; the others split into tallest tiles, so
     # ceil(queries / queries of the tallest) is every item's tile count
@@ -86,25 +97,26 @@ def _launches_many(sets: list, heads: HeadConfig) -> list:
         shape += is_long
     else:
         kv_tiles = ((length - 1) >> (short_n.bit_length() - 1)) + 1
-    if len(sets) > 1:
-        shape += np.repeat(np.arange(0, len(sets) * n_shapes, n_shapes), sizes)
+    shape += group * n_shapes
     # integer sums (ufunc.at is cheaper than weighted bincount here)
-    programs = np.zeros(len(sets) * n_shapes, dtype=np.int64)
+    size = (num_groups + 1) * n_shapes
+    programs = np.zeros(size, dtype=np.int64)
     np.add.at(programs, shape, tiles)
     work = np.zeros_like(programs)
     np.add.at(work, shape, tiles * kv_tiles)
     longest = np.zeros_like(programs)
     np.maximum.at(longest, shape, kv_tiles)
-    flags = [False] * programs.size
-    if any(s[2] is not None for s in sets):
+    flags = [False] * size
+    if flagged is not None:
         # (a boolean ufunc.at is ~10x slower than counting the flagged items' shapes)
-        flagged = np.concatenate([np.zeros(n, dtype=bool) if s[2] is None else s[2] for n, s in zip(sizes, sets)])
-        flags = (np.bincount(shape[flagged], minlength=programs.size) > 0).tolist()
+        flags = (np.bincount(shape[flagged], minlength=size) > 0).tolist()
     hkv = heads.num_kv_heads
+    size -= n_shapes
     launches = [(int(block_m[k % n_shapes // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k])
                 if p > 0 else None
-                for k, (p, w, m) in enumerate(zip(programs.tolist(), work.tolist(), longest.tolist()))]
-    return [[ln for ln in launches[i:i + n_shapes] if ln] for i in range(0, len(launches), n_shapes)]
+                for k, (p, w, m) in enumerate(zip(programs[:size].tolist(), work[:size].tolist(),
+                                                  longest[:size].tolist()))]
+    return [[ln for ln in launches[i:i + n_shapes] if ln] for i in range(0, size, n_shapes)]
 
 
 _ELEM_BYTES: dict = {}
@@ -220,21 +232,23 @@ class CostModel:
         masked)`` item sets (their launches found in one pass)."""
         all_launches = _launches_many([(s[0], s[1], s[5] if isinstance(s[5], np.ndarray) else None)
                                        for s in sets], heads)
-        return [self._total(*s, launches, heads) for s, launches in zip(sets, all_launches)]
+        return [self.total(int(length.sum() if kv_tokens is None else kv_tokens), int(nq.sum()), merge_rows_max,
+                           num_queries, bool(masked.any()) if isinstance(masked, np.ndarray) else bool(masked),
+                           isinstance(masked, np.ndarray), launches, heads)
+                for (length, nq, merge_rows_max, num_queries, kv_tokens, masked), launches in zip(sets, all_launches)]
 
-    def _total(self, length: np.ndarray, nq: np.ndarray, merge_rows_max: int, num_queries: int | None,
-               kv_tokens: int | None, masked: bool | np.ndarray, launches: list, heads: HeadConfig) -> dict:
-        """:meth:`_breakdown` given the items' launches."""
+    def total(self, kv_tokens: int, rows: int, merge_rows_max: int, num_queries: int | None, masked: bool,
+              per_item: bool, launches: list, heads: HeadConfig) -> dict:
+        """:meth:`breakdown` of items with ``kv_tokens`` unique tokens, ``rows`` (item, query) pairs
+        and these launches (:func:`launches_by_group`): every launch is masked when ``masked``, or
+        those flagged when ``per_item``."""
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
-        rows = int(nq.sum())
         num_queries = rows if num_queries is None else int(num_queries)
-        kv_tokens = int(length.sum()) if kv_tokens is None else int(kv_tokens)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
-        per_item = isinstance(masked, np.ndarray)
         attn = 0.0
         for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain numbers
-            mask = 1.0 + self.mask_cost * (launch_masked if per_item else bool(masked))
+            mask = 1.0 + self.mask_cost * (launch_masked if per_item else masked)
             tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
             sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms
             longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
@@ -247,6 +261,5 @@ class CostModel:
         merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
                                        ) + self.launch_overhead_s
-        return {"attention": attn, "merge": merge, "launches": len(launches),
-                "masked": bool(masked.any()) if per_item else bool(masked),
+        return {"attention": attn, "merge": merge, "launches": len(launches), "masked": masked,
                 "total": attn + merge + self.fixed_overhead_s}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _segment_sum, items_from_groups
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, _segment_sum, items_from_groups
 from treeattn.plan.plan import HeadConfig
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -21,17 +21,22 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     flat = tree.topology.flat_start
     total = tree.num_tokens
     n_blocks = -(-total // block)
-    # pieces of nodes in each block, depth-first order (so by block too)
     extent = tree.node_extent  # tokens nobody sees are left out of the blocks
-    nodes = tree.topology.order
-    nodes = nodes[extent[nodes] > 0]
-    start, end = flat[nodes], flat[nodes] + extent[nodes]
-    b0, b1 = start // block, (end - 1) // block
-    piece_node = np.repeat(nodes, b1 - b0 + 1)
-    piece_block = ranges(b0, b1 + 1)
-    piece_start = flat[piece_node]
-    lo = np.maximum(piece_block * block, piece_start) - piece_start
-    hi = np.minimum((piece_block + 1) * block, piece_start + extent[piece_node]) - piece_start
+
+    def pieces() -> tuple:
+        """``(block, node, lo, hi)`` of the pieces of nodes in each block, depth-first order (so
+        by block too)."""
+        nodes = tree.topology.order
+        nodes = nodes[extent[nodes] > 0]
+        start, end = flat[nodes], flat[nodes] + extent[nodes]
+        b0, b1 = start // block, (end - 1) // block
+        piece_node = nodes.repeat(b1 - b0 + 1)
+        piece_block = ranges(b0, b1 + 1)
+        piece_start = flat[piece_node]
+        lo = np.maximum(piece_block * block, piece_start) - piece_start
+        hi = np.minimum((piece_block + 1) * block, piece_start + extent[piece_node]) - piece_start
+        return piece_block, piece_node, lo, hi
+
     # queries of each block: those whose visible part of some node overlaps it (and, made only
     # when the items are read, the tokens of the block they see through that node)
     q, node, visible = tree.visible_pairs
@@ -52,6 +57,15 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     new = np.flatnonzero(new)
     q_block, q_query = pair_block[new], pair_q[new]
 
+    if _same(extent, tree.lengths):  # every token is seen: whole blocks, but the last
+        made = None
+        item_len = np.full(n_blocks, block, dtype=np.int64)
+        if n_blocks:
+            item_len[-1] = total - (n_blocks - 1) * block
+    else:
+        made = pieces()
+        item_len = _segment_sum(made[3] - made[2], _indptr(np.bincount(made[0], minlength=n_blocks)))
+
     def make() -> WorkItems:
         if span.any():
             starts = np.repeat(pair_start, span + 1)
@@ -59,10 +73,7 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
                     - np.maximum(starts, pair_block * block))
         else:
             seen = visible
-        return items_from_groups(piece_block, piece_node, lo, hi, q_block, q_query, n_blocks,
-                                 q_tokens=np.add.reduceat(seen, new))
+        return items_from_groups(*(made or pieces()), q_block, q_query, n_blocks, q_tokens=np.add.reduceat(seen, new))
 
-    # pieces go by block (depth-first order)
-    item_len = _segment_sum(hi - lo, _indptr(np.bincount(piece_block, minlength=n_blocks)))
     items = DeferredItems(item_len, np.bincount(q_block, minlength=n_blocks), make, q_block, q_query)
     return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"

@@ -16,7 +16,7 @@ import numpy as np
 
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, balance_split, glued_items, split_long_items
-from treeattn.plan.packing import choose_leaf_packing
+from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
 from treeattn.tree import DecodingTree
 
@@ -59,19 +59,20 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     decide = costs(cost, nq, len_l)
     depth_bits = int(topo.depth.max()).bit_length()
     ids = np.arange(glued.size)
+    # the first guess, nothing assigned: a parent's chain is the parent, its rows all its own
+    assigned, len_v, nq_cur = np.zeros(kids.size, dtype=bool), tree.lengths[par], rows_v
     while True:
+        now = decide(len_v, nq_cur)
+        if np.array_equal(now, assigned):
+            return glued
+        glued[kids] = assigned = now
         top = np.where(glued, tree.parents, ids)
         for _ in range(depth_bits):
             top = top[top]
         len_v = (through - topo.path_tokens[top])[par]
-        assigned = glued[kids]
         moved = nq * assigned  # rows that glued children take from the parent
-        before = np.cumsum(moved) - moved
+        before = moved.cumsum() - moved
         nq_cur = rows_v - (before - before[sib])  # earlier siblings only
-        now = decide(len_v, nq_cur)
-        if np.array_equal(now, assigned):
-            return glued
-        glued[kids] = now
 
 
 def _exact(cost: CostModel, rows: int, tokens: int) -> bool:
@@ -129,7 +130,7 @@ def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
     return decide
 
 
-def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+def _plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     glued = _assign_edges(tree, tree.subtree_queries * heads.group, cost)
     items = glued_items(tree, glued)
     note = ""
@@ -148,7 +149,7 @@ def plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple
                                        min_len=cost.min_split_tokens)
         if max_len is not None:
             note = f"; long contexts split at {max_len} tokens (fair share of the work)"
-    items, k = choose_leaf_packing(tree, items, heads, cost)
-    if k > 1:
-        note += f"; leaf items packed {k} per item"
     return items, f"greedy: {int(glued.sum())} edges assigned 1{note}"
+
+
+plan_greedy = LeafPackingPlanner(_plan_greedy)

@@ -70,17 +70,24 @@ class WorkItems:
         self.__dict__["item_len"] = item_len  # (fills the cached property)
         return self
 
-    @functools.cached_property
-    def estimates(self) -> dict:
-        """Cost-model estimates of these items by ``(tree, heads, cost)``
-        (:func:`treeattn.plan.auto.estimate_items` fills it)."""
-        return {}
-
     def merge_rows_max(self, used: np.ndarray) -> int:
         """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
         rows to merge (0 without used items)."""
-        q_used = self.q_indices if used.all() else self.q_indices[np.repeat(used, self.item_queries)]
+        q_used = self.q_indices if used.all() else self.q_indices[used.repeat(self.item_queries)]
         return int(np.bincount(q_used).max()) if q_used.size else 0
+
+    def used_merge_rows(self, used: np.ndarray) -> int:
+        """:meth:`merge_rows_max` of the used items (``used``: those with tokens and queries, as
+        the cost model finds them), computed once."""
+        rows = self.__dict__.get("_used_merge_rows")
+        if rows is None:
+            rows = self.__dict__["_used_merge_rows"] = self.merge_rows_max(used)
+        return rows
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        """float64: for each query (up to the largest in an item), the sum of ``per_item`` (small
+        integers: exact) over the items it is in."""
+        return np.bincount(self.q_indices, per_item.repeat(self.item_queries))
 
     def take(self, keep: np.ndarray) -> "WorkItems":
         """The items selected by index array ``keep`` (in that order)."""
@@ -98,7 +105,7 @@ class WorkItems:
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
+    counts.cumsum(out=out[1:])
     return out
 
 
@@ -161,11 +168,12 @@ class DeferredItems(WorkItems):
     queries ``make()`` returns (as :class:`WorkItems`) when first read. The cost model rates items
     from their lengths, query counts and merge rows alone, so ``auto``, which rates every
     strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
-    the items' (item, query) pairs in any order, for the merge rows."""
+    the items' (item, query) pairs in any order, for the merge rows (subclasses without them
+    override :meth:`merge_rows_max` and :meth:`query_weights`)."""
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
-    masked = None  # (deferred items are never flagged)
+    masked = None  # (deferred items are not flagged, but for packed leaf items)
 
     def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None):
         # (frozen dataclass: values go straight into the instance dict)
@@ -180,6 +188,10 @@ class DeferredItems(WorkItems):
         q = q_query if used.all() else q_query[used[q_item]]
         return int(np.bincount(q).max()) if q.size else 0
 
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        q_item, q_query = self._pairs
+        return np.bincount(q_query, per_item[q_item])
+
     @functools.cached_property
     def made(self) -> WorkItems:
         """The items as plain :class:`WorkItems`."""
@@ -193,7 +205,7 @@ class _SplitItems(DeferredItems):
     def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
         n = source.num_items
         base = _indptr(chunks)
-        chunk_item = np.repeat(np.arange(n), chunks)
+        chunk_item = np.arange(n).repeat(chunks)
         cl = chunk_len[chunk_item]
         super().__init__(
             np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl),
@@ -202,13 +214,14 @@ class _SplitItems(DeferredItems):
                              chunk_base=base)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
-        # each query of a source item is in that item's used chunks (counted per query with
-        # small integer weights, exact in float64): no need to make the chunks' query lists
+        # each query of a source item is in that item's used chunks: no need to make the chunks'
+        # query lists
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         src = self.source
-        used_chunks = np.bincount(self.chunk_item[used], minlength=src.num_items)
-        if not src.q_indices.size or not used_chunks.any():
-            return 0
-        return int(np.bincount(src.q_indices, np.repeat(used_chunks, src.item_queries)).max())
+        return src.query_weights(np.bincount(self.chunk_item, per_item, minlength=src.num_items))
 
     def _split(self) -> WorkItems:
         items, chunk_len, chunk_item, new_item_base = self.source, self.chunk_len, self.chunk_item, self.chunk_base
@@ -216,7 +229,7 @@ class _SplitItems(DeferredItems):
         num_new = int(new_item_base[-1])
         # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
         seg_len = items.seg_hi - items.seg_lo
-        seg_item = np.repeat(np.arange(n), items.seg_indptr[1:] - items.seg_indptr[:-1])
+        seg_item = np.arange(n).repeat(items.seg_indptr[1:] - items.seg_indptr[:-1])
         csum = _indptr(seg_len)
         seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
         live = np.flatnonzero(seg_len > 0)
@@ -224,9 +237,9 @@ class _SplitItems(DeferredItems):
         start0, len0 = seg_start[live], seg_len[live]
         c0 = start0 // cl
         pieces = (start0 + len0 - 1) // cl - c0 + 1
-        piece_seg = np.repeat(live, pieces)
+        piece_seg = live.repeat(pieces)
         piece_chunk = ranges(c0, c0 + pieces)
-        piece_cl = np.repeat(cl, pieces)
+        piece_cl = cl.repeat(pieces)
         offset = seg_start[piece_seg]
         start = np.maximum(piece_chunk * piece_cl, offset)
         end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
@@ -236,8 +249,8 @@ class _SplitItems(DeferredItems):
         q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
         q_tokens = None
         if items.q_tokens is not None and np.array_equal(items.q_tokens,
-                                                         np.repeat(items.item_len, items.item_queries)):
-            q_tokens = np.repeat(self.item_len, q_cnt)  # queries that saw their items whole see every chunk whole
+                                                         items.item_len.repeat(items.item_queries)):
+            q_tokens = self.item_len.repeat(q_cnt)  # queries that saw their items whole see every chunk whole
         # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
         # already grouped by new item
         return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
@@ -277,36 +290,54 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     ``glued[c]`` says the edge ``parent(c) -> c`` is glued: ``c``'s queries attend to the parent's
     context inside ``c``'s item instead of in the parent's item. Each node ``b`` yields one item:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
-    the bottom of such a chain on their path.
+    the bottom of such a chain on their path. The chains (segments) are made when first read.
     """
-    n, parents, depth = tree.num_nodes, tree.parents, tree.topology.depth
+    n, parents, topo = tree.num_nodes, tree.parents, tree.topology
     glued = glued & (parents >= 0)
     # top of each node's chain, by pointer jumping
     top = np.where(glued, parents, np.arange(n))
-    for _ in range(int(depth.max()).bit_length()):
+    for _ in range(int(topo.depth.max()).bit_length()):
         top = top[top]
-    chain_len = depth - depth[top] + 1
-    seg_indptr = _indptr(chain_len)
-    # chain of every node: walk up from its own (last) slot of the chain, one level per step
-    chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
-    pos, cur = seg_indptr[1:] - 1, np.arange(n)
-    chain[pos] = cur
-    cur = np.flatnonzero(chain_len > 1)
-    pos = pos[cur]
-    while cur.size:
-        pos, cur = pos - 1, parents[cur]
-        chain[pos] = cur
-        up = glued[cur]
-        pos, cur = pos[up], cur[up]
+    # a chain's tokens: those (seen) on the path to its bottom, less those above its top
     extent = tree.node_extent
-    seg_hi = extent[chain]
-    item_len = _segment_sum(seg_hi, seg_indptr)
+    above = topo.path_tokens if _same(extent, tree.lengths) else _path_sums(topo, extent)
+    item_len = above + extent - above[top]
     # pairs by node: a pair's node is the bottom of a chain unless the next node on its query's
     # path is glued to it; a query sees its items whole, but for the item ending at its own
     # (effective) node, of which it sees the first ``visible`` tokens
     q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
     bottom = ~np.append(glued, False)[nxt]
-    b = node[bottom]
-    q_tokens = (item_len - extent)[b] + visible[bottom]
-    return WorkItems(seg_indptr, chain, np.zeros_like(chain), seg_hi, _indptr(np.bincount(b, minlength=n)),
-                     q[bottom], q_tokens).with_item_len(item_len)
+    b, q = node[bottom], q[bottom]
+
+    def make() -> WorkItems:
+        chain_len = topo.depth - topo.depth[top] + 1
+        seg_indptr = _indptr(chain_len)
+        # chain of every node: walk up from its own (last) slot of the chain, one level per step
+        chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
+        pos, cur = seg_indptr[1:] - 1, np.arange(n)
+        chain[pos] = cur
+        cur = np.flatnonzero(chain_len > 1)
+        pos = pos[cur]
+        while cur.size:
+            pos, cur = pos - 1, parents[cur]
+            chain[pos] = cur
+            up = glued[cur]
+            pos, cur = pos[up], cur[up]
+        q_tokens = (item_len - extent)[b] + visible[bottom]
+        return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(np.bincount(b, minlength=n)),
+                         q, q_tokens)
+
+    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """``np.array_equal`` of two int64 arrays of one shape, without its overhead."""
+    return a.tobytes() == b.tobytes()
+
+
+def _path_sums(topo, values: np.ndarray) -> np.ndarray:
+    """int64 [N]: the sum of ``values`` over each node's proper ancestors."""
+    delta = np.zeros(values.size + 1, dtype=np.int64)
+    delta[topo.tin] = values
+    np.subtract.at(delta, topo.tout, values)
+    return delta.cumsum()[topo.tin] - values

@@ -9,7 +9,7 @@ import numpy as np
 
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems
-from treeattn.plan.packing import choose_leaf_packing
+from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
@@ -31,12 +31,14 @@ def _node_items(tree: DecodingTree) -> WorkItems:
     extent = tree.node_extent
     nodes = np.flatnonzero(extent > 0)  # exactly the nodes of the pairs left
     q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
-    np.cumsum(np.bincount(node, minlength=tree.num_nodes)[nodes], out=q_indptr[1:])
+    np.bincount(node, minlength=tree.num_nodes)[nodes].cumsum(out=q_indptr[1:])
     seg_hi = extent[nodes]
     return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
                      visible).with_item_len(seg_hi)
 
 
-def plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
-    items, k = choose_leaf_packing(tree, node_items(tree), heads, cost)
-    return items, "node: one item per tree node" + (f"; leaf items packed {k} per item" if k > 1 else "")
+def _plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    return node_items(tree), "node: one item per tree node"
+
+
+plan_node = LeafPackingPlanner(_plan_node)

@@ -12,15 +12,17 @@ leaves, 1.06x with 32-token ones.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from treeattn.plan.auto import estimate_many, needs_mask
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, _indptr
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr
 from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
 from treeattn.tree import DecodingTree
 
-__all__ = ["pack_leaf_items", "choose_leaf_packing"]
+__all__ = ["pack_leaf_items", "leaf_packing_variant", "LeafPackingPlanner"]
 
 #: tokens a packed item may hold (a few KV tiles: packing long leaves only lengthens programs)
 PACK_MAX_TOKENS = 256
@@ -34,23 +36,23 @@ def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
         seg_node = items.seg_node
     else:
         seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
-    has_q = items.item_queries > 0
-    leaf = one & has_q
+    nq = items.item_queries
+    leaf = one & (nq > 0)
     if not leaf.any():
         return leaf
-    # the lowest and highest node of each item's queries (reduceat over items that have some)
-    starts = items.q_indptr[:-1][has_q]
-    qn = tree.query_nodes[items.q_indices]
-    node = seg_node[has_q]
-    leaf[has_q] &= (np.minimum.reduceat(qn, starts) == node) & (np.maximum.reduceat(qn, starts) == node)
+    # items with a query at another node are not
+    elsewhere = tree.query_nodes[items.q_indices] != seg_node.repeat(nq)
+    leaf[np.arange(nq.size).repeat(nq)[elsewhere]] = False
     return leaf
 
 
 def _median(values: np.ndarray) -> int:
     """``int(np.median(values))`` of non-negative integers, without its overhead."""
-    v = np.sort(values)
-    m = v.size // 2
-    return int(v[m]) if v.size % 2 else (int(v[m - 1]) + int(v[m])) // 2
+    m = values.size // 2
+    if values.size % 2:
+        return int(np.partition(values, m)[m])
+    v = np.partition(values, (m - 1, m))
+    return (int(v[m - 1]) + int(v[m])) // 2
 
 
 def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
@@ -63,7 +65,8 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
     ``k * tokens <= max_tokens``. The packed items follow the others (in their order). The
     result's ``masked`` flags mark the packed items (the plan builder finds the same from
     visibility). ``items`` itself is returned when nothing packs. ``leaf`` (from the same items)
-    saves finding the leaf items again.
+    saves finding the leaf items again. The packed items' segments and queries are made when
+    first read (:class:`_PackedItems`): the cost model needs only their lengths and queries.
     """
     n = items.num_items
     if k < 2 or n < 2:
@@ -71,60 +74,125 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
     nq = items.item_queries
     leaf = (_leaf_items(items, tree) if leaf is None else leaf) & (nq * group * k <= rows) & \
         (items.item_len * k <= max_tokens)
-    num_leaves = int(np.count_nonzero(leaf))
-    if num_leaves < 2:
+    if np.count_nonzero(leaf) < 2:
         return items
-    nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
-    num_others = n - num_leaves
-    seg = [items.seg_node, items.seg_lo, items.seg_hi]
-    qs = [items.q_indices, items.q_tokens]
-    if leaf[num_others:].all():  # the leaf items come last (tree order): nothing moves
-        others, leaves = slice(num_others), slice(num_others, n)
-    else:  # the others first, then the leaf items (one segment each), each in order
-        others, leaves = ~leaf, leaf
-        seg_leaf = np.repeat(leaf, nseg)
-        order = np.concatenate((np.flatnonzero(~seg_leaf), np.flatnonzero(seg_leaf)))
-        seg = [a[order] for a in seg]
-        q_leaf = np.repeat(leaf, nq)
-        order = np.concatenate((np.flatnonzero(~q_leaf), np.flatnonzero(q_leaf)))
-        qs = [None if a is None else a[order] for a in qs]
-    groups = np.arange(0, num_leaves, k)
-    seg_count = np.append(nseg[others], np.full(groups.size, k))
-    seg_count[-1] = num_leaves - groups[-1]
-    q_count = np.append(nq[others], np.add.reduceat(nq[leaves], groups))
-    length = np.append(items.item_len[others], np.add.reduceat(items.item_len[leaves], groups))
-    masked = np.zeros(seg_count.size, dtype=bool)
-    masked[num_others:] = True
-    masked[-1] = seg_count[-1] > 1
-    return WorkItems(_indptr(seg_count), *seg, _indptr(q_count), *qs, masked).with_item_len(length)
+    return _PackedItems(items, leaf, k)
 
 
-def choose_leaf_packing(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel
-                        ) -> tuple[WorkItems, int]:
-    """``items`` with their leaf items packed ``k`` at a time, or as they are (``k`` = 1), whichever
-    the cost model rates faster. ``k`` is the largest power of two that fits the typical (median)
+class _PackedItems(DeferredItems):
+    """:func:`pack_leaf_items`'s result: the items of ``source`` not flagged in ``leaf``, then
+    its flagged ones ``k`` at a time, each in order."""
+
+    def __init__(self, source: WorkItems, leaf: np.ndarray, k: int):
+        n = source.num_items
+        num_leaves = int(np.count_nonzero(leaf))
+        num_others = n - num_leaves
+        tail = bool(leaf[num_others:].all())  # the leaf items come last (tree order): nothing moves
+        others, leaves = (slice(num_others), slice(num_others, n)) if tail else (~leaf, leaf)
+        groups = np.arange(0, num_leaves, k)
+        length, nq = source.item_len, source.item_queries
+        super().__init__(np.concatenate((length[others], np.add.reduceat(length[leaves], groups))),
+                         np.concatenate((nq[others], np.add.reduceat(nq[leaves], groups))), self._pack)
+        masked = np.zeros(num_others + groups.size, dtype=bool)
+        masked[num_others:] = True
+        masked[-1] = num_leaves - groups[-1] > 1
+        leaves_used = bool(((length[leaves] > 0) & (nq[leaves] > 0)).all())
+        self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, masked=masked, leaves_used=leaves_used)
+
+    def used_merge_rows(self, used: np.ndarray) -> int:
+        if self.leaves_used:  # (each used item's pairs go to a used item: the source's chains)
+            src = self.source
+            return src.used_merge_rows((src.item_len > 0) & (src.item_queries > 0))
+        return super().used_merge_rows(used)
+
+    @functools.cached_property
+    def new_item(self) -> np.ndarray:
+        """intp [source items]: the item each source item went into (with its (item, query)
+        pairs)."""
+        leaf = self.leaf
+        leaf_rank = leaf.cumsum() - leaf
+        num_others = leaf.size - int(leaf_rank[-1] + leaf[-1])
+        return np.where(leaf, num_others + leaf_rank // self.k, np.arange(leaf.size) - leaf_rank)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        return self.source.merge_rows_max(used[self.new_item])
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        return self.source.query_weights(per_item[self.new_item])
+
+    def _pack(self) -> WorkItems:
+        items, leaf = self.source, self.leaf
+        nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
+        num_packed = self.item_len.size - int(np.count_nonzero(~leaf))
+        seg = [items.seg_node, items.seg_lo, items.seg_hi]
+        qs = [items.q_indices, items.q_tokens]
+        if self.tail:
+            others = slice(items.num_items - int(np.count_nonzero(leaf)))
+        else:  # the others first, then the leaf items (one segment each), each in order
+            others = ~leaf
+            seg_leaf = leaf.repeat(nseg)
+            order = np.concatenate((np.flatnonzero(~seg_leaf), np.flatnonzero(seg_leaf)))
+            seg = [a[order] for a in seg]
+            q_leaf = leaf.repeat(items.item_queries)
+            order = np.concatenate((np.flatnonzero(~q_leaf), np.flatnonzero(q_leaf)))
+            qs = [None if a is None else a[order] for a in qs]
+        seg_count = np.append(nseg[others], np.full(num_packed, self.k))
+        seg_count[-1] = int(np.count_nonzero(leaf)) - (num_packed - 1) * self.k
+        return WorkItems(_indptr(seg_count), *seg, _indptr(self.item_queries), *qs, self.masked)
+
+
+def leaf_packing_variant(tree: DecodingTree, items: WorkItems, heads: HeadConfig, cost: CostModel
+                         ) -> tuple[WorkItems | None, int]:
+    """``items`` with their leaf items packed ``k`` at a time, and ``k``; ``(None, 1)`` when they
+    are to be left as they are. ``k`` is the largest power of two that fits the typical (median)
     leaf item ``k`` times into a query tile and :data:`PACK_MAX_TOKENS` (on the suite's trees the
     cost model ranks the factors as measured, and the largest one won or tied). Items that already
     need the tree mask, plans with few programs, and every plan with ``cost.leaf_packing`` off are
     left as they are."""
     if not cost.leaf_packing or items.num_items * heads.num_kv_heads < cost.target_programs:
-        return items, 1  # few programs: nothing to save
+        return None, 1  # few programs: nothing to save
     leaf = _leaf_items(items, tree)
     if np.count_nonzero(leaf) < 2:
-        return items, 1
+        return None, 1
     rows = _median(items.item_queries[leaf]) * heads.group
     tokens = _median(items.item_len[leaf])
     fit = min(BLOCK_M_CHOICES[0] // max(rows, 1), PACK_MAX_TOKENS // max(tokens, 1), PACK_MAX_FACTOR)
     if fit < 2:
-        return items, 1
+        return None, 1
     k = 1 << (fit.bit_length() - 1)
     if needs_mask(tree, items):
-        return items, 1
-    unmasked = WorkItems(items.seg_indptr, items.seg_node, items.seg_lo, items.seg_hi, items.q_indptr,
-                         items.q_indices, items.q_tokens, np.zeros(items.num_items, dtype=bool)
-                         ).with_item_len(items.item_len)
-    packed = pack_leaf_items(unmasked, tree, k, group=heads.group, leaf=leaf)
-    if packed is unmasked:
-        return items, 1
-    base, est = estimate_many(tree, [items, packed], heads, cost)
-    return (items, 1) if est["total"] >= base["total"] else (packed, k)
+        return None, 1
+    packed = pack_leaf_items(items, tree, k, group=heads.group, leaf=leaf)
+    return (None, 1) if packed is items else (packed, k)
+
+
+class LeafPackingPlanner:
+    """A planner (``node``, ``greedy``) whose items may have their leaf items packed: called as
+    every planner, ``(tree, heads, cost) -> (items, note)``, it returns its items or their packed
+    variant (:func:`leaf_packing_variant`), whichever the cost model rates faster.
+    :meth:`variants` returns both, unrated, so that ``auto`` rates them in one pass of the cost
+    model with the other strategies' items.
+
+    Parameters
+    ----------
+    make : callable
+        ``(tree, heads, cost) -> (items, note)``: the planner's items before packing.
+    """
+
+    def __init__(self, make):
+        self._make = make
+
+    def variants(self, tree: DecodingTree, heads: HeadConfig, cost: CostModel
+                 ) -> tuple[WorkItems, str, WorkItems | None, str]:
+        """``(items, note, packed, packed note)``; ``packed`` is None when nothing would pack."""
+        items, note = self._make(tree, heads, cost)
+        packed, k = leaf_packing_variant(tree, items, heads, cost)
+        return items, note, packed, f"{note}; leaf items packed {k} per item"
+
+    def __call__(self, tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+        items, note, packed, packed_note = self.variants(tree, heads, cost)
+        if packed is not None:
+            base, est = estimate_many(tree, [items, packed], heads, cost)
+            if est["total"] < base["total"]:
+                return packed, packed_note
+        return items, note

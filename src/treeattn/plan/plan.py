@@ -10,7 +10,8 @@ import torch
 
 from treeattn.tree import DecodingTree
 
-__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "launch_shapes", "masked_entries"]
+__all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "launch_shapes", "masked_entries",
+           "masked_entries_by_unit", "unit_mask_terms"]
 
 #: Query-tile heights (rows = queries x GQA group) the kernel is compiled for; an item takes the
 #: smallest that holds all its rows (PAT's round-up rule), else it is split into several tiles.
@@ -150,6 +151,9 @@ class PlanHost:
     mask_tails : intp [W] or None
         Tails before each mask start, like ``start_tails`` (plans with a tree mask; without one
         the mask starts are the ends).
+    unit_mask : tuple or None
+        :func:`unit_mask_terms` of the plan's launches (plans with a tree mask), from which
+        updates count the masked entries.
     saw_all : bool [Q]
         Queries that see the whole of their node.
     gather_launches : tuple of Launch
@@ -175,6 +179,7 @@ class PlanHost:
     tail_cover: np.ndarray
     work_mask_start: np.ndarray
     mask_tails: np.ndarray | None
+    unit_mask: tuple | None
     saw_all: np.ndarray
     gather_launches: tuple
     num_sms: int
@@ -351,6 +356,28 @@ def masked_entries(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_
     # tiles are powers of two: the start's offset in its tile is a bit mask of its lead
     per_unit = work_kv_end - mask_start + ((mask_start - work_kv_start) & (block_n - 1))
     return int(per_unit[block_n > 0].sum())
+
+
+def unit_mask_terms(launches, num_work: int) -> tuple:
+    """``(masked, align)`` per work unit of these launches, for :func:`masked_entries_by_unit`:
+    bool [W] the units of masked launches (None: all of them) and int64 [W] ``-block_n`` for the
+    units of launches that split (``~(block_n - 1)``: a mask start's lead rounded down to its KV
+    tile), 0 for the others."""
+    sizes = [ln.work_end - ln.work_start for ln in launches]
+    masked = np.repeat(np.array([ln.masked for ln in launches], dtype=bool), sizes)
+    align = np.repeat(np.array([-ln.block_n if ln.masked and ln.mask_split else 0 for ln in launches],
+                               dtype=np.int64), sizes)
+    return (None if masked.size == num_work and masked.all() else masked), align
+
+
+def masked_entries_by_unit(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_kv_end: np.ndarray,
+                           unit_mask: tuple) -> int:
+    """:func:`masked_entries` from the launches' :func:`unit_mask_terms`: every entry of a masked
+    launch's units but those of whole tiles before a splitting unit's mask start."""
+    masked, align = unit_mask
+    span = work_kv_end - work_kv_start
+    total = int(span.sum() if masked is None else span[masked].sum())
+    return total - int(((work_mask_start - work_kv_start) & align).sum())
 
 
 def _block_m_choices(group: int) -> list:

@@ -9,16 +9,22 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, items_from_groups, split_long_items
+from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups, split_long_items
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
 def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
-    q, node, visible = tree.visible_pairs
     path = tree.visible_tokens
-    items = items_from_groups(q, node, np.zeros_like(node), visible, np.arange(tree.num_queries),
-                              np.arange(tree.num_queries), tree.num_queries, q_tokens=path)
+    queries = np.arange(tree.num_queries)
+
+    def make() -> WorkItems:
+        q, node, visible = tree.visible_pairs
+        return items_from_groups(q, node, np.zeros_like(node), visible, queries, queries, tree.num_queries,
+                                 q_tokens=path)
+
+    # one item per query: its path (the segments made when first read)
+    items = DeferredItems(path, np.ones(tree.num_queries, dtype=np.int64), make, queries, queries)
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
     max_len = max(cost.min_split_tokens, -(-int(path.max()) // splits))
     return split_long_items(items, max_len), f"sequence: KV split at {max_len} tokens"

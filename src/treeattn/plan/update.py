@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.build import _positions
-from treeattn.plan.plan import Plan, PlanHost, contig_launches, masked_entries, unit_runs
+from treeattn.plan.build import mask_rows
+from treeattn.plan.plan import Plan, PlanHost, contig_launches, masked_entries_by_unit, unit_runs
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
@@ -71,11 +71,11 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         return plan if np.array_equal(tree.kv_indices, old.kv_indices) else None
     counts = grown[h.tail_node]  # tokens appended after each planned tail (0: not grown)
     inserted = np.zeros(counts.size + 1, dtype=np.int32)  # inserted[k]: after tails[:k]
-    np.cumsum(counts, out=inserted[1:])
+    counts.cumsum(out=inserted[1:])
     added = int(inserted[-1])
     # new entry i (the j-th of tail k, so i = inserted[k] + j) goes right after that tail, which
     # moves to tail_pos[k] + inserted[k]; it holds token kv_indptr[node + 1] - counts[k] + j
-    src = np.repeat(np.arange(counts.size), counts)  # k of each new entry
+    src = np.arange(counts.size).repeat(counts)  # k of each new entry
     i = np.arange(added)
     token = (tree.kv_indptr[1:][h.tail_node] - inserted[1:])[src] + i
     # the new entries name the appended tokens of every grown node with a planned tail (some more
@@ -105,9 +105,8 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         seg_len = h.seg_len.copy()
         seg_len[h.tail_seg] += counts
         seg = {"seg_len": seg_len}
-        host["mask_lo"] = np.repeat(h.seg_tin, seg_len)
-        host["mask_hi"] = np.repeat(h.seg_tout, seg_len)
-        host["mask_pos"] = _positions(h.seg_lo, seg_len, np.cumsum(seg_len) - seg_len, kv.size)
+        host["mask_lo"], host["mask_hi"], host["mask_pos"] = mask_rows(
+            h.seg_tin, h.seg_tout, h.seg_lo, seg_len, seg_len.cumsum() - seg_len, kv.size)
         host["query_prefix"] = tree.query_prefix.astype(np.int32)
     t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
     device = plan.device
@@ -123,8 +122,8 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         io, kv=io.kv + added * per_token,
         kv_tile_rereads=io.kv_tile_rereads + (added_tiles - added) * per_token,
         index=io.index + added_tiles * 4 * heads.num_kv_heads,
-        mask=masked_entries(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
-                            plan.launches) * 12 * heads.num_kv_heads if plan.has_mask else 0)
+        mask=masked_entries_by_unit(host["work_kv_start"], host["work_mask_start"], host["work_kv_end"],
+                                    h.unit_mask) * 12 * heads.num_kv_heads if plan.has_mask else 0)
     t["min_slots"] = max(plan.min_slots, int(new_slots.max()) + 1)
     if any(ln.contig for ln in plan.launches):
         # appended slots rarely follow their tail's: those units gather their slots again (a
