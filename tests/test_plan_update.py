@@ -69,8 +69,8 @@ def test_update_falls_back_when_the_tree_changes():
     assert update_plan(plan, shrunk) is None
 
 
-def test_update_through_the_pool(rng):
-    pool = KVPool(num_pages=64, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+def test_update_through_the_pool(rng, device):
+    pool = KVPool(num_pages=64, page_size=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=device)
     root = pool.new_branch()
     pool.append(root, 37)
     leaves = [pool.fork(root) for _ in range(3)]
@@ -87,7 +87,7 @@ def test_update_through_the_pool(rng):
     kc, vc = pool.k_cache(0), pool.v_cache(0)
     kc.normal_()
     vc.normal_()
-    q = torch.randn(3, 4, 16)
+    q = torch.randn(3, 4, 16, device=device)
     assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, tree)[0]) <= 1e-4
 
 
