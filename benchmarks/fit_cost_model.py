@@ -73,7 +73,7 @@ def extract(rows: list[dict], check: bool = True) -> dict:
                 plan = build_plan(tree, items, heads, strategy=s)
                 got = sorted((int(a), int(b), int(p)) for a, b, p in f[:, :3])
                 want = sorted((ln.block_m, ln.block_n, (ln.work_end - ln.work_start) * heads.num_kv_heads)
-                              for ln in plan.launches)
+                              for ln in plan.host.gather_launches)
                 assert got == want, (r["tree"], s, got, want)
                 assert plan.has_mask == masked, (r["tree"], s)
                 assert plan.num_rows == int(nq[used].sum()), (r["tree"], s)

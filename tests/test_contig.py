@@ -12,7 +12,7 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.plan import Launch, contig_launches, unit_runs
+from treeattn.plan.plan import TILE_TALL_CONTIG, Launch, contig_configs, contig_launches, unit_runs
 from treeattn.reference import reference_attention
 from treeattn.workloads import tree_from_spec
 
@@ -33,17 +33,53 @@ def test_unit_runs_matches_brute_force(rng):
 
 
 def test_contig_launch_rule():
-    """Runs only; tall tiles of long KV tiles keep gathering beyond one wave; more than three
+    """Runs only; 64-row tiles of long KV tiles keep gathering beyond one wave; more than three
     programs per SM take one pipeline stage less (each launch's own programs)."""
     is_run = np.array([True] * 6 + [False] * 2)
-    launches = (Launch(16, 64, 0, 2, 4, 3), Launch(128, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
+    launches = (Launch(16, 64, 0, 2, 4, 3), Launch(64, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
                 Launch(16, 64, 6, 8, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4)  # 16 programs a launch
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True)  # 16 programs a launch
     assert [ln.contig for ln in out] == [True, False, True, False]
     assert [ln.num_stages for ln in out] == [2, 3, 2, 3]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16)  # one wave each
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16, has_mask=True)  # one wave each
     assert [ln.contig for ln in out] == [True, True, True, False]
     assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
+
+
+def test_tall_contig_launches_take_the_tall_tile():
+    """128-row tiles of long KV tiles over runs take TILE_TALL_CONTIG up to six waves, unless
+    masked (their mask split was planned for their own KV tile) or of short KV tiles."""
+    is_run = np.ones(10, dtype=bool)
+    tall = Launch(128, 64, 0, 2, 4, 3, masked=False)
+    launches = (tall, Launch(128, 64, 2, 4, 4, 3, masked=True), Launch(128, 32, 4, 6, 4, 2, masked=False),
+                Launch(64, 64, 6, 8, 4, 3, masked=False), Launch(128, 64, 8, 10, 4, 3, masked=False, heads_inner=True))
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True)  # 16 programs: four waves
+    assert out[0] == dataclasses.replace(tall, contig=True, block_n=TILE_TALL_CONTIG[0],
+                                         num_warps=TILE_TALL_CONTIG[1], num_stages=TILE_TALL_CONTIG[2])
+    assert out[1] == launches[1]  # masked: a 64-row rule's gathered launch beyond one wave
+    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False)[0].block_n == 32
+    assert out[2] == dataclasses.replace(launches[2], contig=True)
+    assert out[3] == launches[3]
+    assert out[4].heads_inner and out[4].block_n == TILE_TALL_CONTIG[0]
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True)  # eight waves: too many
+    assert out[0] == tall
+    for shape in [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2)]:
+        assert (TILE_TALL_CONTIG in contig_configs(*shape)) == (shape[:2] == (128, 64))
+
+
+def test_tall_contig_kernel_matches_reference(device):
+    """A root of 100 tokens read by 20 queries x GQA 4 (one 128-row tile, 64-token KV tiles
+    planned) runs with the tall contig tile and gives the reference output."""
+    tree = tree_from_spec("1,20_100,5")
+    attn = TreeAttention(device=device, backend="triton")
+    plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy="node")
+    tall = [ln for ln in plan.launches if ln.block_m == 128]
+    assert tall and all(ln.contig and (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_CONTIG for ln in tall)
+    q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
+    k = torch.randn(tree.num_tokens, 1, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    ref = reference_attention(q, k, v, tree)[0]
+    assert rel_l2(attn.run(*[t.float().to(device) for t in (q, k, v)], plan), ref) <= TOL[torch.float32]
 
 
 def shuffled_pages(tree: DecodingTree, rng) -> DecodingTree:
@@ -66,7 +102,8 @@ def test_contig_launches_read_runs_only(rng, strategy):
         runs = runs_brute(slots, start, end)
         for ln, base in zip(plan.launches, plan.host.gather_launches):
             assert not ln.contig or runs[ln.work_start:ln.work_end].all()
-            assert dataclasses.replace(ln, contig=False, num_stages=base.num_stages) == base
+            assert dataclasses.replace(ln, contig=False, block_n=base.block_n, num_warps=base.num_warps,
+                                       num_stages=base.num_stages) == base
 
 
 def test_node_plan_of_a_fresh_pool_computes_its_addresses():

@@ -278,7 +278,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                                    masked=masked[i], heads_inner=long_units and not multi_tile[i], mask_split=split))
     gather_launches = tuple(launches)
     launches = contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
-                               heads.num_kv_heads, num_sms)
+                               heads.num_kv_heads, num_sms, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(item_bound[-1])

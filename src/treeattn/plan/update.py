@@ -130,7 +130,7 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         # unit that was not a run stays one, so plans without contig launches skip the check)
         t["launches"] = contig_launches(
             h.gather_launches, unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"]),
-            heads.num_kv_heads, h.num_sms)
+            heads.num_kv_heads, h.num_sms, has_mask=plan.has_mask)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
         work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"],
