@@ -76,7 +76,7 @@ def test_update_through_the_pool(rng, device):
     leaves = [pool.fork(root) for _ in range(3)]
     for b in leaves:
         pool.append(b, 5)
-    w = TreeAttention(backend="triton")
+    w = TreeAttention(device=device, backend="triton")
     tree = pool.tree()
     plan = w.plan(tree, strategy="greedy", **HEADS)
     for _ in range(4):  # decode steps: one token per leaf, pages allocated as needed
