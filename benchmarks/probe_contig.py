@@ -22,7 +22,7 @@ import torch
 from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
 from treeattn.bench.timing import graph_us
-from treeattn.plan.plan import unit_runs
+from treeattn.plan.addressing import unit_runs
 from treeattn.workloads import suite_trees, tree_from_spec
 
 HEADS = ((32, 32), (32, 8), (64, 8))

@@ -20,7 +20,7 @@ from probe_contig import HEADS
 from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
 from treeattn.bench.timing import graph_us
-from treeattn.plan.plan import contig_launches, unit_runs
+from treeattn.plan.addressing import contig_launches, unit_runs
 from treeattn.workloads import suite_trees, tree_from_spec
 
 

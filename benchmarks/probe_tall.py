@@ -27,7 +27,7 @@ from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
 from treeattn.bench.timing import graph_us
 from treeattn.ops import partial_attention
-from treeattn.plan.plan import unit_runs
+from treeattn.plan.addressing import unit_runs
 from treeattn.workloads import suite_trees, tree_from_spec
 
 CONFIGS = ((64, 4, 3), (64, 4, 2), (64, 8, 3), (64, 8, 2), (128, 8, 2), (128, 8, 3), (128, 4, 2), (32, 4, 3))

@@ -25,7 +25,7 @@ from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
 from treeattn.bench.timing import graph_us
 from treeattn.ops import partial_attention
-from treeattn.plan.plan import unit_runs
+from treeattn.plan.addressing import unit_runs
 from treeattn.workloads import suite_trees, tree_from_spec
 
 EXTRA = ("1_256", "1_1024", "1_4096", "4_1024", "16_4096", "64_2048", "32_8192")

@@ -12,7 +12,8 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.plan import TILE_TALL_CONTIG, Launch, contig_configs, contig_launches, unit_runs
+from treeattn.plan.addressing import TILE_TALL_CONTIG, contig_configs, contig_launches, unit_runs
+from treeattn.plan.plan import Launch
 from treeattn.reference import reference_attention
 from treeattn.workloads import tree_from_spec
 

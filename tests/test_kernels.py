@@ -145,7 +145,8 @@ def test_precompile_launches_every_variant():
     """Serving warms Triton up front: every launch shape a plan can use, with and without the
     tree mask, and every merge head-block, run once on dummy data."""
     from treeattn.ops import precompile
-    from treeattn.plan.plan import HeadConfig, contig_configs, launch_shapes
+    from treeattn.plan.addressing import contig_configs
+    from treeattn.plan.plan import HeadConfig, launch_shapes
 
     heads = HeadConfig(8, 2, 16, torch.float32)
     shapes = launch_shapes(heads)

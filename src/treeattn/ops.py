@@ -15,7 +15,8 @@ import torch
 import triton
 
 from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
-from treeattn.plan.plan import HeadConfig, Launch, Plan, contig_configs, launch_shapes
+from treeattn.plan.addressing import contig_configs
+from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
            "precompile"]

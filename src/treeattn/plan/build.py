@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from treeattn.plan.addressing import contig_launches, unit_runs
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.plan import (
@@ -20,9 +21,7 @@ from treeattn.plan.plan import (
     PlanHost,
     PlanIO,
     _block_m_choices,
-    contig_launches,
     unit_mask_terms,
-    unit_runs,
 )
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree

@@ -106,7 +106,7 @@ class Launch:
 
     ``contig``: every work unit of the launch reads one run of consecutive slots, so the kernel
     computes its K/V addresses instead of loading them from ``kv_indices`` (see
-    :func:`contig_launches`).
+    :func:`~treeattn.plan.addressing.contig_launches`).
     """
 
     block_m: int
@@ -158,8 +158,8 @@ class PlanHost:
         Queries that see the whole of their node.
     gather_launches : tuple of Launch
     num_sms : int
-        The plan's launches before :func:`contig_launches`, and the SM count it used (an update
-        sets ``contig`` again for its new KV list).
+        The plan's launches before :func:`~treeattn.plan.addressing.contig_launches`, and the SM
+        count it used (an update sets ``contig`` again for its new KV list).
     tree : DecodingTree
         The tree the plan was made for.
     """
@@ -300,58 +300,6 @@ class Plan:
         return "\n".join(lines)
 
 
-def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
-    """bool [W]: work unit ``w`` reads consecutive slots (``kv_slots[s + i] == kv_slots[s] + i``
-    over its range ``[s, e)``; empty units count as runs)."""
-    # entries that do not follow the one before (few where the pool's pages are in order): a
-    # unit is a run when none lies in (s, e)
-    breaks = np.flatnonzero(kv_slots[1:] - kv_slots[:-1] != 1) + 1
-    return (np.searchsorted(breaks, work_kv_start, side="right") ==
-            np.searchsorted(breaks, work_kv_end, side="left")) | (work_kv_end <= work_kv_start)
-
-
-def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int, *, has_mask: bool) -> tuple:
-    """``launches`` (of a plan with a tree mask or not: ``has_mask``) with :attr:`Launch.contig`
-    set where every work unit is a run of slots (``is_run``, bool [W]) and affine addresses pay.
-
-    Affine addresses let the software pipeline issue the next tiles' K/V loads early (gathered
-    ones wait for their slot load first): a lone program walking 4K tokens runs 1.5x faster. The
-    deeper pipeline takes shared memory, so beyond three programs a SM a launch keeps one stage
-    less, and 64-row tiles of long KV tiles keep gathered slots beyond one wave (per-launch sweep
-    on an H200: benchmarks/sweep_contig.py; counting the programs of all the plan's launches
-    instead, as they share the SMs on streams, was no better over the suite and worse on two
-    trees: benchmarks/probe_contig_rule.py, NOTES.md). The tallest tiles over long items
-    (unmasked) take :data:`TILE_TALL_CONTIG` instead: 32-token KV tiles keep three stages in flight
-    in the shared memory that two 64-token ones fill, 1.04-1.29x faster on 45 of the suite's 47
-    such launches at 64-768 programs (benchmarks/probe_tall.py).
-    """
-    out = []
-    for ln in launches:
-        programs = (ln.work_end - ln.work_start) * num_kv_heads
-        if not programs or not is_run[ln.work_start: ln.work_end].all():
-            out.append(ln)
-        elif ln.block_m >= TALL_CONTIG_ROWS and ln.block_n >= 64 and not (has_mask and ln.masked) \
-                and programs <= TALL_CONTIG_WAVES * num_sms:
-            block_n, num_warps, num_stages = TILE_TALL_CONTIG
-            out.append(dataclasses.replace(ln, contig=True, block_n=block_n, num_warps=num_warps,
-                                           num_stages=num_stages))
-        elif ln.block_m >= 64 and ln.block_n >= 64 and programs > num_sms:
-            out.append(ln)
-        else:
-            stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms else ln.num_stages
-            out.append(dataclasses.replace(ln, contig=True, num_stages=stages))
-    return tuple(out)
-
-
-def contig_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
-    """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a contig
-    launch planned with this shape (what :func:`treeattn.ops.precompile` compiles)."""
-    out = [(block_n, num_warps, num_stages)] + [(block_n, num_warps, num_stages - 1)] * (num_stages >= 3)
-    if block_m >= TALL_CONTIG_ROWS and block_n >= 64:
-        out.append(TILE_TALL_CONTIG)
-    return out
-
-
 def split_masked_launches(launches, work_kv_start: np.ndarray, work_mask_start: np.ndarray) -> tuple:
     """``launches`` with :attr:`Launch.mask_split` set on the masked ones where some unit has a
     whole KV tile before its mask start."""
@@ -409,11 +357,6 @@ SHORT_ITEM_TOKENS = 48
 TILE_SHORT = (32, 4, 2)
 TILE_LONG = (64, 4, 3)
 TILE_LONG_HEAD256 = (32, 4, 2)
-#: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
-#: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
-TILE_TALL_CONTIG = (32, 4, 3)
-TALL_CONTIG_ROWS = 128
-TALL_CONTIG_WAVES = 6
 #: Mean KV tokens per item from which a launch orders its grid KV head fastest
 #: (:attr:`Launch.heads_inner`); measured on an H200 (benchmarks/sweep_grid_order.py, NOTES.md).
 HEADS_INNER_MIN_TOKENS = 512

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from treeattn.plan.build import mask_rows
-from treeattn.plan.plan import Plan, PlanHost, contig_launches, masked_entries_by_unit, unit_runs
+from treeattn.plan.addressing import contig_launches, unit_runs
+from treeattn.plan.plan import Plan, PlanHost, masked_entries_by_unit
 from treeattn.tree import DecodingTree
 
 __all__ = ["update_plan"]
