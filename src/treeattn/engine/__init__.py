@@ -14,10 +14,11 @@ cache manager (:mod:`.kv`, over :class:`treeattn.KVPool`) in step; the model int
 from treeattn.engine.beam import BeamSearchController
 from treeattn.engine.config import PRESETS, ModelConfig, load_config
 from treeattn.engine.controller import BranchController, Callbacks, SamplingController, periodic_branching
-from treeattn.engine.engine import StepStats, TreeEngine
+from treeattn.engine.engine import TreeEngine
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.model import TreeModel
 from treeattn.engine.sampling import Sampler
+from treeattn.engine.step import StepStats
 from treeattn.engine.tree_manager import Result, SequenceTree
 from treeattn.engine.workloads import (WORKLOADS, SpeculativeReplayController, ToTReplayController,
                                        WorkloadSpec, build_workload)

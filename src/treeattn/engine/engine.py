@@ -9,9 +9,7 @@ in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU r
 """
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -20,53 +18,12 @@ from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAt
 from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
+from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.engine.tuning import EventTimer, HostTimer, StrategyTuner
 from treeattn.ops import precompile
 
-log = logging.getLogger(__name__)
-
-__all__ = ["StepStats", "TreeEngine"]
-
-
-@dataclass
-class StepStats:
-    """Host-side numbers of one decode / verify step (no device synchronisation).
-
-    ``kv_ms``: tree and KV-cache bookkeeping; ``plan_ms``: attention planning and its upload
-    (0 when a decode window reused its plan); ``forward_ms``: issuing the forward pass (its wall
-    time when the engine synchronises); ``kv_bytes``: KV bytes one layer's attention loads under
-    the step's plan (``plan.io.kv``); ``visible_tokens``: KV tokens the step's queries see, summed
-    over queries (what attention without prefix sharing reads); ``unique_tokens``: distinct KV
-    tokens they see (what attention that reads each shared token once reads).
-    """
-
-    step: int
-    kind: str
-    queries: int
-    tree_nodes: int
-    tree_tokens: int
-    strategy: str
-    kv_ms: float
-    plan_ms: float
-    forward_ms: float
-    computed: bool
-    kv_bytes: int = 0
-    visible_tokens: int = 0
-    unique_tokens: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class _Window:
-    nodes: tuple
-    plan: object
-    left: int
-    expect: list       # own tokens each node must hold before the next step
-    tokens: int        # KV tokens of the planned tree
-    above: tuple       # (visible, unique) KV tokens of the nodes above the queried leaves
+__all__ = ["TreeEngine"]
 
 
 class TreeEngine:
@@ -140,7 +97,7 @@ class TreeEngine:
         self._probe = None      # the tuner's timer of this step's attention (trial plans only)
         self.stats: list[StepStats] = []
         self._logits: dict[int, tuple] = {}
-        self._win: _Window | None = None
+        self._win: Window | None = None
         self._verify: tuple | None = None
         self._depth: tuple | None = None
 
@@ -281,7 +238,7 @@ class TreeEngine:
             plan_ms = self.planner.last_ms
             leaf = int(dtree.query_prefix.sum())      # the leaves' own tokens and reserved slots
             above = (int(dtree.visible_tokens.sum()) - leaf, dtree.num_tokens - leaf)
-            w = self._win = _Window(tuple(nodes), plan, self.planner.window_steps(plan, h), own,
+            w = self._win = Window(tuple(nodes), plan, self.planner.window_steps(plan, h), own,
                                     dtree.num_tokens, above)
         w.left -= 1
         w.expect = [o + 1 for o in own]
@@ -398,7 +355,7 @@ class TreeEngine:
                                                streams=0)
 
     def _attend_fn(self, plan):
-        return _StepAttention(self, plan)
+        return StepAttention(self, plan)
 
     def _fire(self, event: str, layer: int = -1) -> None:
         if self.hook is not None:
@@ -500,37 +457,3 @@ class TreeEngine:
         self.tree.results.clear()
         self.kv.release_private()
         self._logits.clear()
-
-
-class _StepAttention:
-    """A decode step's attention for :class:`DecodeGraphs`: ``attend(layer, q, out)`` runs one
-    layer eagerly; ``for_step(q, out)`` captures the step's :class:`AttentionGraph` once and
-    returns ``layer -> None`` that replays it (eager layers when there is none or capture fails)."""
-
-    def __init__(self, engine: TreeEngine, plan):
-        self.engine, self.plan = engine, plan
-
-    def __call__(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        e = self.engine
-        e._fire("attn_begin", layer)
-        o = e.attention.run(q, *e._paged[layer], self.plan, out=out)
-        e._fire("attn_end", layer)
-        return o
-
-    def for_step(self, q: torch.Tensor, out: torch.Tensor):
-        e = self.engine
-        graph = None
-        if e._attn_graph is not None:
-            try:
-                graph = e._attn_graph.capture(e.attention, q, out, self.plan)
-            except RuntimeError as err:  # eager attention is always correct
-                log.warning("capturing the attention graph failed (%s); attention runs eagerly", err)
-                e._attn_graph = None
-        if graph is None:
-            return lambda layer: self(layer, q, out)
-
-        def replay(layer: int) -> None:
-            e._fire("attn_begin", layer)
-            graph.replay()
-            e._fire("attn_end", layer)
-        return replay

@@ -1,0 +1,89 @@
+"""Per-step pieces of :class:`~treeattn.engine.engine.TreeEngine`: its host-side step statistics,
+its decode window, and a step's attention as :class:`~treeattn.engine.graphs.DecodeGraphs` calls
+it (eager, or one captured :class:`~treeattn.engine.graphs.AttentionGraph` replayed per layer)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StepAttention", "StepStats", "Window"]
+
+
+@dataclass
+class StepStats:
+    """Host-side numbers of one decode / verify step (no device synchronisation).
+
+    ``kv_ms``: tree and KV-cache bookkeeping; ``plan_ms``: attention planning and its upload
+    (0 when a decode window reused its plan); ``forward_ms``: issuing the forward pass (its wall
+    time when the engine synchronises); ``kv_bytes``: KV bytes one layer's attention loads under
+    the step's plan (``plan.io.kv``); ``visible_tokens``: KV tokens the step's queries see, summed
+    over queries (what attention without prefix sharing reads); ``unique_tokens``: distinct KV
+    tokens they see (what attention that reads each shared token once reads).
+    """
+
+    step: int
+    kind: str
+    queries: int
+    tree_nodes: int
+    tree_tokens: int
+    strategy: str
+    kv_ms: float
+    plan_ms: float
+    forward_ms: float
+    computed: bool
+    kv_bytes: int = 0
+    visible_tokens: int = 0
+    unique_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Window:
+    """A decode window: ``plan`` serves the next ``left`` steps of ``nodes``."""
+
+    nodes: tuple
+    plan: object
+    left: int
+    expect: list       # own tokens each node must hold before the next step
+    tokens: int        # KV tokens of the planned tree
+    above: tuple       # (visible, unique) KV tokens of the nodes above the queried leaves
+
+
+class StepAttention:
+    """A decode step's attention for :class:`DecodeGraphs`: ``attend(layer, q, out)`` runs one
+    layer eagerly; ``for_step(q, out)`` captures the step's :class:`AttentionGraph` once and
+    returns ``layer -> None`` that replays it (eager layers when there is none or capture fails)."""
+
+    def __init__(self, engine, plan):
+        self.engine, self.plan = engine, plan
+
+    def __call__(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        e = self.engine
+        e._fire("attn_begin", layer)
+        o = e.attention.run(q, *e._paged[layer], self.plan, out=out)
+        e._fire("attn_end", layer)
+        return o
+
+    def for_step(self, q: torch.Tensor, out: torch.Tensor):
+        e = self.engine
+        graph = None
+        if e._attn_graph is not None:
+            try:
+                graph = e._attn_graph.capture(e.attention, q, out, self.plan)
+            except RuntimeError as err:  # eager attention is always correct
+                log.warning("capturing the attention graph failed (%s); attention runs eagerly", err)
+                e._attn_graph = None
+        if graph is None:
+            return lambda layer: self(layer, q, out)
+
+        def replay(layer: int) -> None:
+            e._fire("attn_begin", layer)
+            graph.replay()
+            e._fire("attn_end", layer)
+        return replay
