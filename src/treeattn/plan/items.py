@@ -70,6 +70,18 @@ class WorkItems:
         self.__dict__["item_len"] = item_len  # (fills the cached property)
         return self
 
+    def single_nodes(self) -> np.ndarray:
+        """int64 [num_items]: the node of each item's segment, for items with one segment; -1
+        for the others."""
+        one = self.seg_indptr[1:] - self.seg_indptr[:-1] == 1
+        if one.all():
+            return self.seg_node
+        return np.where(one, self.seg_node[np.minimum(self.seg_indptr[:-1], self.seg_node.size - 1)], -1)
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(item, query)``: the (item, query) pairs, in any order."""
+        return np.arange(self.num_items).repeat(self.item_queries), self.q_indices
+
     def merge_rows_max(self, used: np.ndarray) -> int:
         """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
         rows to merge (0 without used items)."""
@@ -169,19 +181,28 @@ class DeferredItems(WorkItems):
     from their lengths, query counts and merge rows alone, so ``auto``, which rates every
     strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
     the items' (item, query) pairs in any order, for the merge rows (subclasses without them
-    override :meth:`merge_rows_max` and :meth:`query_weights`)."""
+    override :meth:`merge_rows_max` and :meth:`query_weights`); ``single_nodes``, when given, is
+    :meth:`single_nodes` (leaf packing finds leaf items from it and the pairs)."""
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
     masked = None  # (deferred items are not flagged, but for packed leaf items)
 
-    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None):
+    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None,
+                 single_nodes=None):
         # (frozen dataclass: values go straight into the instance dict)
-        self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query))
+        self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query),
+                             _single_nodes=single_nodes)
 
     @property
     def num_items(self) -> int:
         return int(self.item_len.size)
+
+    def single_nodes(self) -> np.ndarray:
+        return super().single_nodes() if self._single_nodes is None else self._single_nodes
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        return super().pairs() if self._pairs[0] is None else self._pairs
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         q_item, q_query = self._pairs
@@ -295,7 +316,8 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     n, parents, topo = tree.num_nodes, tree.parents, tree.topology
     glued = glued & (parents >= 0)
     # top of each node's chain, by pointer jumping
-    top = np.where(glued, parents, np.arange(n))
+    ids = np.arange(n)
+    top = np.where(glued, parents, ids)
     for _ in range(int(topo.depth.max()).bit_length()):
         top = top[top]
     # a chain's tokens: those (seen) on the path to its bottom, less those above its top
@@ -327,7 +349,8 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
         return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(np.bincount(b, minlength=n)),
                          q, q_tokens)
 
-    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q)
+    # a chain of one node is one segment of it
+    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q, np.where(top == ids, ids, -1))
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

@@ -31,18 +31,14 @@ PACK_MAX_FACTOR = 16
 
 def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
     """bool [num_items]: items with one segment whose queries all sit at that segment's node."""
-    one = items.seg_indptr[1:] - items.seg_indptr[:-1] == 1
-    if one.all():
-        seg_node = items.seg_node
-    else:
-        seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
-    nq = items.item_queries
-    leaf = one & (nq > 0)
+    seg_node = items.single_nodes()
+    leaf = (seg_node >= 0) & (items.item_queries > 0)
     if not leaf.any():
         return leaf
     # items with a query at another node are not
-    elsewhere = tree.query_nodes[items.q_indices] != seg_node.repeat(nq)
-    leaf[np.arange(nq.size).repeat(nq)[elsewhere]] = False
+    q_item, q_query = items.pairs()
+    elsewhere = tree.query_nodes[q_query] != seg_node[q_item]
+    leaf[q_item[elsewhere]] = False
     return leaf
 
 
