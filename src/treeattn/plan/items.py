@@ -304,7 +304,7 @@ def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows:
     return split_long_items(items, max_len), max_len
 
 
-def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
+def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = None) -> WorkItems:
     """Items of a tree whose edges are cut or glued (PAT's merge schemes, FastTree's binary edge
     assignment).
 
@@ -312,14 +312,16 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     context inside ``c``'s item instead of in the parent's item. Each node ``b`` yields one item:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
     the bottom of such a chain on their path. The chains (segments) are made when first read.
+    ``top`` (the top of each node's chain), when the caller has it, saves finding it again.
     """
     n, parents, topo = tree.num_nodes, tree.parents, tree.topology
     glued = glued & (parents >= 0)
     # top of each node's chain, by pointer jumping
     ids = np.arange(n)
-    top = np.where(glued, parents, ids)
-    for _ in range(int(topo.depth.max()).bit_length()):
-        top = top[top]
+    if top is None:
+        top = np.where(glued, parents, ids)
+        for _ in range(int(topo.depth.max()).bit_length()):
+            top = top[top]
     # a chain's tokens: those (seen) on the path to its bottom, less those above its top
     extent = tree.node_extent
     above = topo.path_tokens if _same(extent, tree.lengths) else _path_sums(topo, extent)
