@@ -56,31 +56,28 @@ def _replace(obj, **changes):
 def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: np.ndarray, host: dict) -> tuple:
     """:func:`~treeattn.plan.plan.contig_launches` of the patched plan (``host``: its KV list and
     ranges), from the tails inside each launch's KV range where they tell, without a pass over the
-    KV list: a launch where nothing was inserted reads what it read (it keeps its launch), one
-    with a tail whose first new slot does not follow the tail's slot has a unit that is no run
-    (it gathers). Otherwise every unit is checked.
+    KV list: a launch where nothing was inserted reads what it read (it keeps its launch); one
+    whose first grown tail's first new slot does not follow the tail's slot has a unit that is no
+    run (the pair of them lies inside the tail's unit), so it gathers. Otherwise every unit is
+    checked.
 
     ``counts``, ``inserted`` and ``new_slots`` are the update's: entries inserted after each tail,
     their prefix sum and the new entries' slots, tail after tail."""
     h = plan.host
-    grown = np.flatnonzero(counts)
-    # (a grown tail lies inside a unit: the pair of it and its first new entry is inside too)
-    broken = grown[new_slots[inserted[grown]] != h.kv_slots[h.tail_pos[grown]] + 1]
-    # a launch's units hold its items one after the other (the builder makes no empty launch):
-    # its tails are those from its first unit's start to its last one's end
-    launches = h.gather_launches
-    first = h.start_tails[[ln.work_start for ln in launches]].tolist()
-    last = h.end_tails[[ln.work_end - 1 for ln in launches]].tolist()
-    nbroken = (np.searchsorted(broken, last) - np.searchsorted(broken, first)).tolist()
     out = []
-    for ln, now, lo, hi, nb in zip(launches, plan.launches, first, last, nbroken):
+    for ln, now in zip(h.gather_launches, plan.launches):
+        # a launch's units hold its items one after the other (the builder makes no empty
+        # launch): its tails are those from its first unit's start to its last one's end
+        lo, hi = int(h.start_tails[ln.work_start]), int(h.end_tails[ln.work_end - 1])
         if inserted[hi] == inserted[lo]:
             out.append(now)
-        elif nb:
+            continue
+        k = lo + int(np.argmax(counts[lo:hi] > 0))
+        if new_slots[inserted[k]] != h.kv_slots[h.tail_pos[k]] + 1:
             out.append(ln)
         else:
             is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
-            return contig_launches(launches, is_run, plan.heads.num_kv_heads, h.num_sms)
+            return contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms)
     return tuple(out)
 
 
