@@ -70,7 +70,7 @@ def _edge_rounds(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> tuple
     assigned, len_v, nq_cur, top = np.zeros(kids.size, dtype=bool), tree.lengths[par], rows_v, None
     while True:
         now = decide(len_v, nq_cur)
-        if np.array_equal(now, assigned):
+        if now.tobytes() == assigned.tobytes():  # (np.array_equal, a few times cheaper on bools)
             return glued, top
         glued[kids] = assigned = now
         top = np.where(glued, tree.parents, ids)
