@@ -88,11 +88,13 @@ class WorkItems:
         q_used = self.q_indices if used.all() else self.q_indices[used.repeat(self.item_queries)]
         return int(np.bincount(q_used).max()) if q_used.size else 0
 
-    def used_merge_rows(self, used: np.ndarray) -> int:
+    def used_merge_rows(self, used: np.ndarray | None = None) -> int:
         """:meth:`merge_rows_max` of the used items (``used``: those with tokens and queries, as
-        the cost model finds them), computed once."""
+        the cost model finds them; found when not given), computed once."""
         rows = self.__dict__.get("_used_merge_rows")
         if rows is None:
+            if used is None:
+                used = (self.item_len > 0) & (self.item_queries > 0)
             rows = self.__dict__["_used_merge_rows"] = self.merge_rows_max(used)
         return rows
 

@@ -95,10 +95,9 @@ class _PackedItems(DeferredItems):
         leaves_used = bool(((length[leaves] > 0) & (nq[leaves] > 0)).all())
         self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, masked=masked, leaves_used=leaves_used)
 
-    def used_merge_rows(self, used: np.ndarray) -> int:
+    def used_merge_rows(self, used: np.ndarray | None = None) -> int:
         if self.leaves_used:  # (each used item's pairs go to a used item: the source's chains)
-            src = self.source
-            return src.used_merge_rows((src.item_len > 0) & (src.item_queries > 0))
+            return self.source.used_merge_rows()
         return super().used_merge_rows(used)
 
     @functools.cached_property
