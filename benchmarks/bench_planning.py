@@ -4,7 +4,7 @@ CPU core.
 
 Usage::
 
-    python benchmarks/bench_planning.py [--trees SPEC ...] [--repeats 50] [--out planning.json]
+    python benchmarks/bench_planning.py [--trees SPEC ...] [--repeats 50] [--core 0] [--out planning.json]
 
 Each time is the median of ``--repeats`` runs after warm-up. ``plan`` times start from a freshly built
 :class:`~treeattn.tree.DecodingTree` each run (only what its constructor caches is reused);
@@ -96,9 +96,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", default=list(DEFAULT_TREES), help="kernel-suite specs")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--core", type=int, default=0, help="the CPU core to run on")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
-    os.sched_setaffinity(0, {0})
+    os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
     rows = [bench_tree(spec, args.repeats) for spec in args.trees]
     cols = STRATEGIES

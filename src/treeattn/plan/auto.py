@@ -48,7 +48,11 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     flags = [it.masked for it in unique]
     flagged = None
     if any(f is not None for f in flags):
-        flagged = np.concatenate([np.zeros(n, dtype=bool) if f is None else f for n, f in zip(sizes, flags)]) & used
+        flagged = np.zeros(length.size, dtype=bool)
+        for a, b, f in zip(bounds, bounds[1:], flags):
+            if f is not None:
+                flagged[a:b] = f
+        flagged &= used
     set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
     estimates = {}
     for i, (it, launches) in enumerate(zip(unique, launches_by_group(length, nq, set_of, len(unique), flagged, heads))):

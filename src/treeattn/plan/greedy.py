@@ -31,7 +31,14 @@ def _padding(n: np.ndarray, tile: int) -> np.ndarray:
 
 
 def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.ndarray:
-    """bool [N]: FastTree's Alg. 1 decision for every edge ``parent(l) -> l`` (True: assigned 1).
+    """bool [N]: FastTree's Alg. 1 decision for every edge ``parent(l) -> l`` (True: assigned
+    1); :func:`_edge_rounds` without the tops."""
+    return _edge_rounds(tree, rows, cost)[0]
+
+
+def _edge_rounds(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`_assign_edges`, and the top of each node's chain of edges assigned 1
+    (:func:`~treeattn.plan.items.glued_items`'s; None when the first round assigns none).
 
     The algorithm visits edges breadth-first, a parent's children in id order; an edge's decision
     depends on its parent's length (longer when the parent's own edge was assigned 1) and on its
@@ -49,7 +56,7 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     glued = np.zeros(tree.num_nodes, dtype=bool)
     kids = topo.child_indices  # by (parent, id)
     if kids.size == 0:
-        return glued
+        return glued, None
     par = tree.parents[kids]
     sib = topo.child_indptr[par]  # each edge's first sibling
     nq, len_l, rows_v = rows[kids], tree.lengths[kids], rows[par]
@@ -60,11 +67,11 @@ def _assign_edges(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> np.n
     depth_bits = int(topo.depth.max()).bit_length()
     ids = np.arange(glued.size)
     # the first guess, nothing assigned: a parent's chain is the parent, its rows all its own
-    assigned, len_v, nq_cur = np.zeros(kids.size, dtype=bool), tree.lengths[par], rows_v
+    assigned, len_v, nq_cur, top = np.zeros(kids.size, dtype=bool), tree.lengths[par], rows_v, None
     while True:
         now = decide(len_v, nq_cur)
-        if np.array_equal(now, assigned):
-            return glued
+        if now.tobytes() == assigned.tobytes():  # (np.array_equal, a few times cheaper on bools)
+            return glued, top
         glued[kids] = assigned = now
         top = np.where(glued, tree.parents, ids)
         for _ in range(depth_bits):
@@ -131,8 +138,8 @@ def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
 
 
 def _plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
-    glued = _assign_edges(tree, tree.subtree_queries * heads.group, cost)
-    items = glued_items(tree, glued)
+    glued, top = _edge_rounds(tree, tree.subtree_queries * heads.group, cost)
+    items = glued_items(tree, glued, top)
     note = ""
     item_len = items.item_len
     used = (item_len > 0) & (items.item_queries > 0)

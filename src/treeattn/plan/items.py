@@ -70,17 +70,31 @@ class WorkItems:
         self.__dict__["item_len"] = item_len  # (fills the cached property)
         return self
 
+    def single_nodes(self) -> np.ndarray:
+        """int64 [num_items]: the node of each item's segment, for items with one segment; -1
+        for the others."""
+        one = self.seg_indptr[1:] - self.seg_indptr[:-1] == 1
+        if one.all():
+            return self.seg_node
+        return np.where(one, self.seg_node[np.minimum(self.seg_indptr[:-1], self.seg_node.size - 1)], -1)
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(item, query)``: the (item, query) pairs, in any order."""
+        return np.arange(self.num_items).repeat(self.item_queries), self.q_indices
+
     def merge_rows_max(self, used: np.ndarray) -> int:
         """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
         rows to merge (0 without used items)."""
         q_used = self.q_indices if used.all() else self.q_indices[used.repeat(self.item_queries)]
         return int(np.bincount(q_used).max()) if q_used.size else 0
 
-    def used_merge_rows(self, used: np.ndarray) -> int:
+    def used_merge_rows(self, used: np.ndarray | None = None) -> int:
         """:meth:`merge_rows_max` of the used items (``used``: those with tokens and queries, as
-        the cost model finds them), computed once."""
+        the cost model finds them; found when not given), computed once."""
         rows = self.__dict__.get("_used_merge_rows")
         if rows is None:
+            if used is None:
+                used = (self.item_len > 0) & (self.item_queries > 0)
             rows = self.__dict__["_used_merge_rows"] = self.merge_rows_max(used)
         return rows
 
@@ -169,19 +183,28 @@ class DeferredItems(WorkItems):
     from their lengths, query counts and merge rows alone, so ``auto``, which rates every
     strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
     the items' (item, query) pairs in any order, for the merge rows (subclasses without them
-    override :meth:`merge_rows_max` and :meth:`query_weights`)."""
+    override :meth:`merge_rows_max` and :meth:`query_weights`); ``single_nodes``, when given, is
+    :meth:`single_nodes` (leaf packing finds leaf items from it and the pairs)."""
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
     masked = None  # (deferred items are not flagged, but for packed leaf items)
 
-    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None):
+    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None,
+                 single_nodes=None):
         # (frozen dataclass: values go straight into the instance dict)
-        self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query))
+        self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query),
+                             _single_nodes=single_nodes)
 
     @property
     def num_items(self) -> int:
         return int(self.item_len.size)
+
+    def single_nodes(self) -> np.ndarray:
+        return super().single_nodes() if self._single_nodes is None else self._single_nodes
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        return super().pairs() if self._pairs[0] is None else self._pairs
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         q_item, q_query = self._pairs
@@ -283,7 +306,7 @@ def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows:
     return split_long_items(items, max_len), max_len
 
 
-def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
+def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = None) -> WorkItems:
     """Items of a tree whose edges are cut or glued (PAT's merge schemes, FastTree's binary edge
     assignment).
 
@@ -291,13 +314,16 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
     context inside ``c``'s item instead of in the parent's item. Each node ``b`` yields one item:
     the chain from ``b`` up through glued edges (root first), with the queries for which ``b`` is
     the bottom of such a chain on their path. The chains (segments) are made when first read.
+    ``top`` (the top of each node's chain), when the caller has it, saves finding it again.
     """
     n, parents, topo = tree.num_nodes, tree.parents, tree.topology
     glued = glued & (parents >= 0)
     # top of each node's chain, by pointer jumping
-    top = np.where(glued, parents, np.arange(n))
-    for _ in range(int(topo.depth.max()).bit_length()):
-        top = top[top]
+    ids = np.arange(n)
+    if top is None:
+        top = np.where(glued, parents, ids)
+        for _ in range(int(topo.depth.max()).bit_length()):
+            top = top[top]
     # a chain's tokens: those (seen) on the path to its bottom, less those above its top
     extent = tree.node_extent
     above = topo.path_tokens if _same(extent, tree.lengths) else _path_sums(topo, extent)
@@ -327,7 +353,8 @@ def glued_items(tree: DecodingTree, glued: np.ndarray) -> WorkItems:
         return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(np.bincount(b, minlength=n)),
                          q, q_tokens)
 
-    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q)
+    # a chain of one node is one segment of it
+    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q, np.where(top == ids, ids, -1))
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

@@ -31,18 +31,14 @@ PACK_MAX_FACTOR = 16
 
 def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
     """bool [num_items]: items with one segment whose queries all sit at that segment's node."""
-    one = items.seg_indptr[1:] - items.seg_indptr[:-1] == 1
-    if one.all():
-        seg_node = items.seg_node
-    else:
-        seg_node = np.where(one, items.seg_node[np.minimum(items.seg_indptr[:-1], items.seg_node.size - 1)], -1)
-    nq = items.item_queries
-    leaf = one & (nq > 0)
+    seg_node = items.single_nodes()
+    leaf = (seg_node >= 0) & (items.item_queries > 0)
     if not leaf.any():
         return leaf
     # items with a query at another node are not
-    elsewhere = tree.query_nodes[items.q_indices] != seg_node.repeat(nq)
-    leaf[np.arange(nq.size).repeat(nq)[elsewhere]] = False
+    q_item, q_query = items.pairs()
+    elsewhere = tree.query_nodes[q_query] != seg_node[q_item]
+    leaf[q_item[elsewhere]] = False
     return leaf
 
 
@@ -99,10 +95,9 @@ class _PackedItems(DeferredItems):
         leaves_used = bool(((length[leaves] > 0) & (nq[leaves] > 0)).all())
         self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, masked=masked, leaves_used=leaves_used)
 
-    def used_merge_rows(self, used: np.ndarray) -> int:
+    def used_merge_rows(self, used: np.ndarray | None = None) -> int:
         if self.leaves_used:  # (each used item's pairs go to a used item: the source's chains)
-            src = self.source
-            return src.used_merge_rows((src.item_len > 0) & (src.item_queries > 0))
+            return self.source.used_merge_rows()
         return super().used_merge_rows(used)
 
     @functools.cached_property

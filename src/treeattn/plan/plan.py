@@ -328,11 +328,13 @@ def unit_mask_terms(launches, num_work: int) -> tuple:
     """``(masked, align)`` per work unit of these launches, for :func:`masked_entries_by_unit`:
     bool [W] the units of masked launches (None: all of them) and int64 [W] ``-block_n`` for the
     units of launches that split (``~(block_n - 1)``: a mask start's lead rounded down to its KV
-    tile), 0 for the others."""
+    tile), 0 for the others (None: no launch splits)."""
     sizes = [ln.work_end - ln.work_start for ln in launches]
     masked = np.repeat(np.array([ln.masked for ln in launches], dtype=bool), sizes)
-    align = np.repeat(np.array([-ln.block_n if ln.masked and ln.mask_split else 0 for ln in launches],
-                               dtype=np.int64), sizes)
+    align = None
+    if any(ln.masked and ln.mask_split for ln in launches):
+        align = np.repeat(np.array([-ln.block_n if ln.masked and ln.mask_split else 0 for ln in launches],
+                                   dtype=np.int64), sizes)
     return (None if masked.size == num_work and masked.all() else masked), align
 
 
@@ -343,7 +345,7 @@ def masked_entries_by_unit(work_kv_start: np.ndarray, work_mask_start: np.ndarra
     masked, align = unit_mask
     span = work_kv_end - work_kv_start
     total = int(span.sum() if masked is None else span[masked].sum())
-    return total - int(((work_mask_start - work_kv_start) & align).sum())
+    return total if align is None else total - int(((work_mask_start - work_kv_start) & align).sum())
 
 
 def _block_m_choices(group: int) -> list:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.build import mask_rows
 from treeattn.plan.addressing import contig_launches, unit_runs
+from treeattn.plan.build import mask_rows
 from treeattn.plan.plan import Plan, PlanHost, masked_entries_by_unit
 from treeattn.tree import DecodingTree
 
@@ -52,6 +52,35 @@ def _replace(obj, **changes):
     new.__dict__.update(obj.__dict__)
     new.__dict__.update(changes)
     return new
+
+
+def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: np.ndarray, host: dict) -> tuple:
+    """:func:`~treeattn.plan.addressing.contig_launches` of the patched plan (``host``: its KV list and
+    ranges), from the tails inside each launch's KV range where they tell, without a pass over the
+    KV list: a launch where nothing was inserted reads what it read (it keeps its launch); one
+    whose first grown tail's first new slot does not follow the tail's slot has a unit that is no
+    run (the pair of them lies inside the tail's unit), so it gathers. Otherwise every unit is
+    checked.
+
+    ``counts``, ``inserted`` and ``new_slots`` are the update's: entries inserted after each tail,
+    their prefix sum and the new entries' slots, tail after tail."""
+    h = plan.host
+    out = []
+    for ln, now in zip(h.gather_launches, plan.launches):
+        # a launch's units hold its items one after the other (the builder makes no empty
+        # launch): its tails are those from its first unit's start to its last one's end
+        lo, hi = int(h.start_tails[ln.work_start]), int(h.end_tails[ln.work_end - 1])
+        if inserted[hi] == inserted[lo]:
+            out.append(now)
+            continue
+        k = lo + int(np.argmax(counts[lo:hi] > 0))
+        if new_slots[inserted[k]] != h.kv_slots[h.tail_pos[k]] + 1:
+            out.append(ln)
+        else:
+            is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
+            return contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
+                                   has_mask=plan.has_mask)
+    return tuple(out)
 
 
 def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
@@ -129,9 +158,7 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     if any(ln.contig for ln in plan.launches):
         # appended slots rarely follow their tail's: those units gather their slots again (a
         # unit that was not a run stays one, so plans without contig launches skip the check)
-        t["launches"] = contig_launches(
-            h.gather_launches, unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"]),
-            heads.num_kv_heads, h.num_sms, has_mask=plan.has_mask)
+        t["launches"] = _launches(plan, counts, inserted, new_slots, host)
     t["host"] = _replace(
         h, kv_slots=host["kv_indices"], tail_pos=h.tail_pos + inserted[1:],
         work_kv_start=host["work_kv_start"], work_kv_end=host["work_kv_end"],
