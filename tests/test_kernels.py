@@ -162,19 +162,19 @@ def test_precompile_launches_every_variant():
 
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
                                                ("flatten", "1,3_40,9", 1)])
-def test_heads_inner_grid_order_matches_reference(rng, strategy, spec, hkv):
+def test_heads_inner_grid_order_matches_reference(rng, device, strategy, spec, hkv):
     """A launch whose grid runs a work unit's KV heads side by side (``heads_inner``; the builder
     sets it for long work units) computes the same result; forced on every launch here."""
     tree = tree_from_spec(spec)
-    q, k, v = (torch.randn(n, h, 32) for n, h in ((tree.num_queries, 4), (tree.num_tokens, hkv),
-                                                   (tree.num_tokens, hkv)))
-    w = TreeAttention(backend="triton")
+    q, k, v = (torch.randn(n, h, 32, device=device) for n, h in ((tree.num_queries, 4), (tree.num_tokens, hkv),
+                                                                  (tree.num_tokens, hkv)))
+    w = TreeAttention(device=device, backend="triton")
     plan = w.plan(tree, num_qo_heads=4, num_kv_heads=hkv, head_dim=32, dtype=torch.float32,
                   strategy=strategy)
     inner = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, heads_inner=True)
                                                      for ln in plan.launches))
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((tree.num_queries, 4), float("nan"))
+    lse = torch.full((tree.num_queries, 4), float("nan"), device=device)
     w.run(q, k[:, None], v[:, None], inner, out=out, lse=lse)
     o_ref, lse_ref = reference_attention(q, k[:, None], v[:, None], tree)
     assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
@@ -201,16 +201,16 @@ def test_builder_orders_heads_inner_for_long_work_units():
 
 @pytest.mark.parametrize("strategy,spec", [("sequence", "1,3_9,5"), ("flatten", "1,3_600,5"),
                                            ("greedy", None)])
-def test_single_row_queries_skip_the_merge(rng, strategy, spec):
+def test_single_row_queries_skip_the_merge(rng, device, strategy, spec):
     """A query's only partial row is written to ``out``/``lse`` by the attention kernel; only
     queries with several rows go through the workspace and the merge. Poisoned workspace rows
     of direct queries must not leak into the output."""
     # (a fixed random forest with queries on inner nodes: some queries see one item, some more)
     tree = tree_from_spec(spec) if spec else random_tree(np.random.default_rng(0), 20, 20, roots=2,
                                                          inner_queries=True)
-    q, k, v = (torch.randn(n, h, 32) for n, h in ((tree.num_queries, 4), (tree.num_tokens, 2),
-                                                   (tree.num_tokens, 2)))
-    w = TreeAttention(backend="triton")
+    q, k, v = (torch.randn(n, h, 32, device=device) for n, h in ((tree.num_queries, 4), (tree.num_tokens, 2),
+                                                                  (tree.num_tokens, 2)))
+    w = TreeAttention(device=device, backend="triton")
     plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
                   strategy=strategy)
     w._workspace.fill_(float("nan"))
@@ -227,7 +227,7 @@ def test_single_row_queries_skip_the_merge(rng, strategy, spec):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_greedy_balance_split_of_a_verification_tree(rng, dtype):
+def test_greedy_balance_split_of_a_verification_tree(rng, device, dtype):
     """Tall query tiles over one long context among tiny draft-token items: greedy splits the
     context by its fair share of the work (the balance path alone: target_programs=1)."""
     tree = tree_from_medusa(32, context_len=300)
@@ -236,16 +236,16 @@ def test_greedy_balance_split_of_a_verification_tree(rng, dtype):
     v = torch.randn(tree.num_tokens, 2, 64).to(dtype)
     paged, kc, vc = paged_copy(tree, k, v, 16, rng)
     o_ref, lse_ref = reference_attention(q, kc, vc, paged)
-    w = TreeAttention(backend="triton", cost=CostModel(target_programs=1, min_split_tokens=64))
+    w = TreeAttention(device=device, backend="triton", cost=CostModel(target_programs=1, min_split_tokens=64))
     plan = w.plan(paged, num_qo_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, strategy="greedy")
     assert "fair share" in plan.reason
-    out, lse = w.run(q, kc, vc, plan, return_lse=True)
+    out, lse = w.run(*(t.to(device) for t in (q, kc, vc)), plan, return_lse=True)
     assert rel_l2(out, o_ref) <= TOL[dtype]
     assert rel_l2(lse, lse_ref) <= 1e-5
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
-def test_packed_leaf_items_match_float64_reference(rng, hq, hkv):
+def test_packed_leaf_items_match_float64_reference(rng, device, hq, hkv):
     """Leaf items packed 2 and 4 per work item run in the Triton kernel (the interpreter on CPU):
     each query attends to its own leaf only, through the tree mask of the packed items' launch."""
     from treeattn.plan import HeadConfig, PLANNERS
@@ -262,7 +262,8 @@ def test_packed_leaf_items_match_float64_reference(rng, hq, hkv):
     heads = HeadConfig(hq, hkv, d, torch.float32)
     items, _ = PLANNERS["node"](paged, heads, CostModel())
     for factor in (2, 4):
-        plan = build_plan(paged, pack_leaf_items(items, paged, factor, group=hq // hkv), heads, strategy="node")
+        plan = build_plan(paged, pack_leaf_items(items, paged, factor, group=hq // hkv), heads, strategy="node",
+                          device=device)
         assert plan.num_items < items.num_items
-        w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1), backend="triton")
-        assert rel_l2(w.run(q, kc, vc, plan), o_ref) <= 1e-4
+        w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device=device), device=device, backend="triton")
+        assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4
