@@ -41,6 +41,15 @@ def _cases():
     return combos
 
 
+#: where the Triton tests run the kernels: the GPU when there is one, else the interpreter on CPU
+#: (tensors are made on the CPU, with the host's random generator, and moved)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
 def paged_copy(tree, k, v, page_size, rng):
     """Scatter contiguous K/V into a shuffled paged pool; returns (tree over the pool, k, v caches)."""
     pool = KVPool(num_pages=tree.num_tokens // page_size + tree.num_nodes + 4, page_size=page_size,
@@ -65,10 +74,11 @@ def test_triton_matches_float64_reference(rng, strategy, tree_name, dtype, heads
     v = torch.randn(tree.num_tokens, hkv, head_dim).to(dtype)
     paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
     o_ref, lse_ref = reference_attention(q, kc, vc, paged)
-    w = TreeAttention(backend="triton")
+    w = TreeAttention(device=DEVICE, backend="triton")
     plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim, dtype=dtype, strategy=strategy)
+    q, kc, vc = on_device(q, kc, vc)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    lse = torch.full((tree.num_queries, hq), float("nan"))
+    lse = torch.full((tree.num_queries, hq), float("nan"), device=DEVICE)
     w.run(q, kc, vc, plan, out=out, lse=lse)
     assert rel_l2(out, o_ref) <= TOL[dtype]
     assert rel_l2(lse, lse_ref) <= 1e-5
@@ -91,21 +101,20 @@ def test_torch_backend_matches_reference(rng, strategy, dtype):
 
 def test_plan_is_reused_across_layers(rng):
     tree = tree_from_spec("1,3,9_20,10,4")
-    w = TreeAttention(backend="triton")
+    w = TreeAttention(device=DEVICE, backend="triton")
     plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, strategy="greedy")
     for _ in range(3):
-        q = torch.randn(tree.num_queries, 4, 64)
-        k = torch.randn(tree.num_tokens, 1, 2, 64)
-        v = torch.randn(tree.num_tokens, 1, 2, 64)
+        q, k, v = on_device(torch.randn(tree.num_queries, 4, 64), torch.randn(tree.num_tokens, 1, 2, 64),
+                            torch.randn(tree.num_tokens, 1, 2, 64))
         assert rel_l2(w.run(q, k, v, plan), reference_attention(q, k, v, tree)[0]) <= 1e-4
 
 
 def test_sm_scale_and_large_logits(rng):
     tree = tree_from_spec("1,4_33,5")
-    q = torch.randn(tree.num_queries, 2, 64) * 30  # large logits: online softmax must stay finite
-    k = torch.randn(tree.num_tokens, 1, 2, 64)
-    v = torch.randn(tree.num_tokens, 1, 2, 64)
-    w = TreeAttention(backend="triton")
+    q = torch.randn(tree.num_queries, 2, 64, device=DEVICE) * 30  # large logits: online softmax must stay finite
+    k = torch.randn(tree.num_tokens, 1, 2, 64, device=DEVICE)
+    v = torch.randn(tree.num_tokens, 1, 2, 64, device=DEVICE)
+    w = TreeAttention(device=DEVICE, backend="triton")
     plan = w.plan(tree, num_qo_heads=2, num_kv_heads=2, head_dim=64, dtype=torch.float32, strategy="flatten")
     out = w.run(q, k, v, plan, sm_scale=0.3)
     assert rel_l2(out, reference_attention(q, k, v, tree, sm_scale=0.3)[0]) <= 1e-4
@@ -121,9 +130,9 @@ def test_triton_random_forests(strategy, tree, page_size, seed):
     k = torch.randn(tree.num_tokens, 1, 64)
     v = torch.randn(tree.num_tokens, 1, 64)
     paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
-    w = TreeAttention(backend="triton")
+    w = TreeAttention(device=DEVICE, backend="triton")
     plan = w.plan(paged, num_qo_heads=4, num_kv_heads=1, head_dim=64, dtype=torch.float32, strategy=strategy)
-    assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-4
+    assert rel_l2(w.run(*on_device(q, kc, vc), plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-4
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -157,7 +166,7 @@ def test_precompile_launches_every_variant():
     # 1, 2, 4, 8 with and without LSE
     configs = sum(1 + len(contig_configs(*s)) for s in shapes)
     assert configs == 2 * 4 + (1 + 2) * 4 + 1
-    assert precompile(heads, page_size=16, device="cpu") == (2 * 2 + 2 * 2 * 2) * configs + 2 * 4
+    assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 4
 
 
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
