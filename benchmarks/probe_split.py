@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import numpy as np
-import torch
 
 from treeattn import TreeAttention
 from treeattn.bench.kernels import case_inputs
@@ -49,7 +47,7 @@ def main() -> None:
         for streams in (0, 3):
             w = TreeAttention(device="cuda", streams=streams)
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128)
-            row[f"auto_choice"] = plan.strategy
+            row["auto_choice"] = plan.strategy
             row["us"][f"auto/s{streams}"] = graph_us(lambda p=plan, w=w: w.run(q, k, v, p, out=out))
         for min_split, target in SPLITS:
             cm = CostModel(min_split_tokens=min_split, target_programs=target)

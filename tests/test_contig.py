@@ -12,7 +12,14 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.addressing import TILE_TALL_CONTIG, contig_configs, contig_launches, unit_runs
+from treeattn.plan.addressing import (
+    GATHERED_NARROW_WARPS,
+    TILE_TALL_CONTIG,
+    contig_configs,
+    contig_launches,
+    gathered_configs,
+    unit_runs,
+)
 from treeattn.plan.plan import Launch
 from treeattn.reference import reference_attention
 from treeattn.workloads import tree_from_spec
@@ -66,6 +73,22 @@ def test_tall_contig_launches_take_the_tall_tile():
     assert out[0] == tall
     for shape in [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2)]:
         assert (TILE_TALL_CONTIG in contig_configs(*shape)) == (shape[:2] == (128, 64))
+
+
+def test_gathered_32_row_launches_of_many_waves_take_two_warps():
+    """Only gathered launches of 32-row tiles over long KV tiles with >= 6 waves of programs."""
+    is_run = np.array([False] * 8 + [True] * 2)
+    launches = (Launch(32, 64, 0, 2, 4, 3), Launch(32, 32, 2, 4, 4, 2), Launch(64, 64, 4, 6, 4, 3),
+                Launch(16, 64, 6, 8, 4, 3), Launch(32, 64, 8, 10, 4, 3))
+    out = contig_launches(launches, is_run, num_kv_heads=12, num_sms=4, has_mask=False)  # 24 programs: 6 waves
+    assert out[0] == dataclasses.replace(launches[0], num_warps=GATHERED_NARROW_WARPS)
+    assert out[1:4] == launches[1:4]
+    assert out[4].contig and out[4].num_warps == 4  # a run: computed addresses, four warps
+    out = contig_launches(launches, is_run, num_kv_heads=11, num_sms=4, has_mask=False)  # 22 programs
+    assert out[0] == launches[0]
+    for shape in [(32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 3), (64, 64, 4, 3)]:
+        assert ((64, GATHERED_NARROW_WARPS, 3) in gathered_configs(*shape)) == (shape[:2] == (32, 64))
+        assert gathered_configs(*shape)[0] == shape[1:]
 
 
 def test_tall_contig_kernel_matches_reference(device):

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
-from treeattn.plan.addressing import contig_configs
+from treeattn.plan.addressing import contig_configs, gathered_configs
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
@@ -207,9 +207,11 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        # contig launches may run one pipeline stage less, tall ones another tile (plan.contig_configs)
+        # contig launches may run one pipeline stage less, tall ones another tile, gathered 32-row
+        # ones two warps (plan.addressing)
         configs = [cfg for shape in launch_shapes(heads)
-                   for cfg in [(*shape, False)] + [(shape[0], *c, True) for c in contig_configs(*shape)]]
+                   for cfg in [(shape[0], *c, False) for c in gathered_configs(*shape)]
+                   + [(shape[0], *c, True) for c in contig_configs(*shape)]]
         for (m, n, warps, stages, contig), direct, inner, split in itertools.product(
                 configs, (0, plan.num_direct), (False, True), (False, True)):
             if split and not plan.has_mask:

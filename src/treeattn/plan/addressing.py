@@ -1,19 +1,25 @@
 """Affine KV addressing (:attr:`~treeattn.plan.plan.Launch.contig`): which work units read one run
 of consecutive slots, and which launches of a plan compute their K/V addresses (and with which
-tile) instead of loading them from the slot list."""
+tile) instead of loading them from the slot list; gathered launches of many 32-row programs run
+two warps a program."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-__all__ = ["TILE_TALL_CONTIG", "contig_configs", "contig_launches", "unit_runs"]
+__all__ = ["TILE_TALL_CONTIG", "contig_configs", "contig_launches", "gathered_configs", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
 TILE_TALL_CONTIG = (32, 4, 3)
 TALL_CONTIG_ROWS = 128
 TALL_CONTIG_WAVES = 6
+#: Gathered launches of GATHERED_NARROW_ROWS-row tiles over long items with at least
+#: GATHERED_NARROW_WAVES waves of programs run GATHERED_NARROW_WARPS warps a program
+GATHERED_NARROW_ROWS = 32
+GATHERED_NARROW_WAVES = 6
+GATHERED_NARROW_WARPS = 2
 
 
 def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
@@ -40,12 +46,20 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
     (unmasked) take :data:`TILE_TALL_CONTIG` instead: 32-token KV tiles keep three stages in flight
     in the shared memory that two 64-token ones fill, 1.04-1.29x faster on 45 of the suite's 47
     such launches at 64-768 programs (benchmarks/probe_tall.py).
+
+    Launches that keep gathering with 32-row tiles over long items and many waves of programs run
+    two warps a program: 1.03-1.12x faster on all twelve such launches of the suite's GQA plans
+    (deep trees, 1024-2048 programs), 0.87-0.91x at 256 programs (benchmarks/probe_warps.py).
     """
     out = []
     for ln in launches:
         programs = (ln.work_end - ln.work_start) * num_kv_heads
-        if not programs or not is_run[ln.work_start: ln.work_end].all():
+        if not programs:
             out.append(ln)
+        elif not is_run[ln.work_start: ln.work_end].all():
+            narrow = (ln.block_m == GATHERED_NARROW_ROWS and ln.block_n >= 64
+                      and programs >= GATHERED_NARROW_WAVES * num_sms)
+            out.append(dataclasses.replace(ln, num_warps=GATHERED_NARROW_WARPS) if narrow else ln)
         elif ln.block_m >= TALL_CONTIG_ROWS and ln.block_n >= 64 and not (has_mask and ln.masked) \
                 and programs <= TALL_CONTIG_WAVES * num_sms:
             block_n, num_warps, num_stages = TILE_TALL_CONTIG
@@ -65,4 +79,13 @@ def contig_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) 
     out = [(block_n, num_warps, num_stages)] + [(block_n, num_warps, num_stages - 1)] * (num_stages >= 3)
     if block_m >= TALL_CONTIG_ROWS and block_n >= 64:
         out.append(TILE_TALL_CONTIG)
+    return out
+
+
+def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
+    """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a launch
+    planned with this shape that keeps gathering (what :func:`treeattn.ops.precompile` compiles)."""
+    out = [(block_n, num_warps, num_stages)]
+    if block_m == GATHERED_NARROW_ROWS and block_n >= 64:
+        out.append((block_n, GATHERED_NARROW_WARPS, num_stages))
     return out
