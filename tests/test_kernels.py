@@ -154,18 +154,18 @@ def test_precompile_launches_every_variant():
     """Serving warms Triton up front: every launch shape a plan can use, with and without the
     tree mask, and every merge head-block, run once on dummy data."""
     from treeattn.ops import precompile
-    from treeattn.plan.addressing import contig_configs
+    from treeattn.plan.addressing import contig_configs, gathered_configs
     from treeattn.plan.plan import HeadConfig, launch_shapes
 
     heads = HeadConfig(8, 2, 16, torch.float32)
     shapes = launch_shapes(heads)
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
     # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
-    # stages, a tall one of long KV tiles also with the tall tile; x2 for the direct-output
-    # variant, x2 for the grid order, x2 for the mask split (masked plan only); merge head blocks
-    # 1, 2, 4, 8 with and without LSE
-    configs = sum(1 + len(contig_configs(*s)) for s in shapes)
-    assert configs == 2 * 4 + (1 + 2) * 4 + 1
+    # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV
+    # tiles also with 2 warps; x2 for the direct-output variant, x2 for the grid order, x2 for the
+    # mask split (masked plan only); merge head blocks 1, 2, 4, 8 with and without LSE
+    configs = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes)
+    assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
     assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 4
 
 
