@@ -34,7 +34,8 @@ def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.n
 
 def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int, *, has_mask: bool) -> tuple:
     """``launches`` (of a plan with a tree mask or not: ``has_mask``) with :attr:`Launch.contig`
-    set where every work unit is a run of slots (``is_run``, bool [W]) and affine addresses pay.
+    set where every work unit is a run of slots (``is_run``, bool [W]) and affine addresses pay,
+    and the launch config of each (tile, warps, stages) for its addressing.
 
     Affine addresses let the software pipeline issue the next tiles' K/V loads early (gathered
     ones wait for their slot load first): a lone program walking 4K tokens runs 1.5x faster. The
@@ -57,8 +58,7 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
         if not programs:
             out.append(ln)
         elif not is_run[ln.work_start: ln.work_end].all():
-            narrow = (ln.block_m == GATHERED_NARROW_ROWS and ln.block_n >= 64
-                      and programs >= GATHERED_NARROW_WAVES * num_sms)
+            narrow = _gathered_narrow(ln.block_m, ln.block_n) and programs >= GATHERED_NARROW_WAVES * num_sms
             out.append(dataclasses.replace(ln, num_warps=GATHERED_NARROW_WARPS) if narrow else ln)
         elif ln.block_m >= TALL_CONTIG_ROWS and ln.block_n >= 64 and not (has_mask and ln.masked) \
                 and programs <= TALL_CONTIG_WAVES * num_sms:
@@ -85,7 +85,10 @@ def contig_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) 
 def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
     """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a launch
     planned with this shape that keeps gathering (what :func:`treeattn.ops.precompile` compiles)."""
-    out = [(block_n, num_warps, num_stages)]
-    if block_m == GATHERED_NARROW_ROWS and block_n >= 64:
-        out.append((block_n, GATHERED_NARROW_WARPS, num_stages))
-    return out
+    return [(block_n, num_warps, num_stages)] + [(block_n, GATHERED_NARROW_WARPS, num_stages)] * _gathered_narrow(
+        block_m, block_n)
+
+
+def _gathered_narrow(block_m: int, block_n: int) -> bool:
+    """A gathered launch of this shape runs GATHERED_NARROW_WARPS warps given enough waves."""
+    return block_m == GATHERED_NARROW_ROWS and block_n >= 64
