@@ -18,14 +18,19 @@ def _attend_tile(
     q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, CONTIG: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
+    CONTIG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
-    the rows (query ``qpos``/``qprefix``) that do not see them."""
+    the rows (query ``qpos``/``qprefix``) that do not see them. ``FULL`` (not ``MASKED``): every
+    entry of the tile lies before ``kv_end`` and every row sees all of them."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < kv_end
+    if FULL:
+        # a constant-true mask: no per-entry compares and selects in the tile's softmax
+        n_valid = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        n_valid = offs_n < kv_end
     if CONTIG:
         # the unit's slots are one run: addresses are affine in n0, so the software pipeline
         # issues the next tiles' K/V loads early (a gathered slot is a dependent load first)
@@ -44,22 +49,31 @@ def _attend_tile(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # log2 domain
-    visible = n_valid[None, :]
-    if MASKED:
-        lo = tl.load(mask_lo + offs_n, mask=n_valid, other=0)
-        hi = tl.load(mask_hi + offs_n, mask=n_valid, other=0)
-        pos = tl.load(mask_pos + offs_n, mask=n_valid, other=0)
-        # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
-        # query's node, and within the query's own node only its first `prefix` tokens
-        anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
-        own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
-        visible = visible & anc & own_ok
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if FULL:
+        # every row sees every entry, so m_new is finite (m_i may be -inf before the first
+        # tile): no selects, and the scale folds into one FMA with the max (log2 domain). Tall
+        # tiles over long items are bound by these per-entry instructions, not by the MMA
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    else:
+        s = s * qk_scale  # log2 domain
+        visible = n_valid[None, :]
+        if MASKED:
+            lo = tl.load(mask_lo + offs_n, mask=n_valid, other=0)
+            hi = tl.load(mask_hi + offs_n, mask=n_valid, other=0)
+            pos = tl.load(mask_pos + offs_n, mask=n_valid, other=0)
+            # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
+            # query's node, and within the query's own node only its first `prefix` tokens
+            anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
+            own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
+            visible = visible & anc & own_ok
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -148,21 +162,33 @@ def _tree_partial_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # tiles wholly inside the unit and unmasked run the FULL step (the mask split is tile-aligned)
+    full_end = split if HAS_MASK else kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
     if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
-        for n0 in range(kv_start, split, BLOCK_N):
+        for n0 in range(kv_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, CONTIG=CONTIG, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
-    if HAS_MASK:
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=True, CONTIG=CONTIG,
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    if not HAS_MASK:
+        if full_end < kv_end:  # the unit's last, partial tile
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG,
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+    else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, CONTIG=CONTIG, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG,
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
