@@ -124,7 +124,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
-            CONTIG=launch.contig, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
+            CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )

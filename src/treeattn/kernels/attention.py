@@ -96,7 +96,7 @@ def _tree_partial_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
-    DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -162,24 +162,29 @@ def _tree_partial_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # tiles wholly inside the unit and unmasked run the FULL step (the mask split is tile-aligned)
-    full_end = split if HAS_MASK else kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
+    # unmasked tiles wholly inside the unit run the FULL step: those before the mask split (it
+    # is tile-aligned), and with SPLIT_TAIL all but an unmasked unit's last, partial tile, which
+    # then runs after the loop (outside its software pipeline: one more memory round trip)
+    full_end = split
+    if SPLIT_TAIL and not HAS_MASK:
+        full_end = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
     if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
         for n0 in range(kv_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=True, CONTIG=CONTIG,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
+                CONTIG=CONTIG, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     if not HAS_MASK:
-        if full_end < kv_end:  # the unit's last, partial tile
-            m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+        if SPLIT_TAIL:
+            if full_end < kv_end:  # the unit's last, partial tile
+                m_i, l_i, acc = _attend_tile(
+                    q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+                    BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG,
+                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):

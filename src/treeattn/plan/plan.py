@@ -107,6 +107,11 @@ class Launch:
     ``contig``: every work unit of the launch reads one run of consecutive slots, so the kernel
     computes its K/V addresses instead of loading them from ``kv_indices`` (see
     :func:`~treeattn.plan.addressing.contig_launches`).
+
+    ``split_tail``: the kernel runs each unmasked unit's whole KV tiles with a select-free
+    softmax step and its last, partial tile after the loop (set for tall query tiles, whose
+    tiles are bound by those per-entry instructions; see
+    :func:`~treeattn.plan.addressing.contig_launches`).
     """
 
     block_m: int
@@ -119,6 +124,7 @@ class Launch:
     heads_inner: bool = False
     mask_split: bool = False
     contig: bool = False
+    split_tail: bool = False
 
 
 @dataclass(frozen=True, eq=False)
