@@ -14,10 +14,13 @@ from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
 from treeattn.plan.addressing import (
     GATHERED_NARROW_WARPS,
+    SPLIT_TAIL_ROWS,
+    SPLIT_TAIL_TILES,
     TILE_TALL_CONTIG,
     contig_configs,
     contig_launches,
     gathered_configs,
+    split_tails,
     unit_runs,
 )
 from treeattn.plan.plan import Launch
@@ -89,6 +92,23 @@ def test_gathered_32_row_launches_of_many_waves_take_two_warps():
     for shape in [(32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 3), (64, 64, 4, 3)]:
         assert ((64, GATHERED_NARROW_WARPS, 3) in gathered_configs(*shape)) == (shape[:2] == (32, 64))
         assert gathered_configs(*shape)[0] == shape[1:]
+
+
+def test_split_tail_on_tall_unmasked_launches_of_whole_tiles_or_long_units():
+    """Tall (>= SPLIT_TAIL_ROWS rows) unmasked launches whose units hold whole KV tiles only, or
+    average >= SPLIT_TAIL_TILES tiles; not short units with a partial tile, small tiles or masked
+    launches."""
+    starts = np.array([0, 64, 128, 200, 300, 400, 500, 600, 700, 2800])
+    ends = np.array([64, 128, 192, 300, 364, 464, 564, 700, 2800, 4900])
+    launches = tuple(Launch(m, n, a, b, 4, 3, masked=masked) for m, n, a, b, masked in [
+        (128, 32, 0, 2, False), (64, 64, 2, 4, False), (128, 64, 4, 5, True), (32, 64, 5, 7, False),
+        (128, 64, 7, 8, False), (64, 64, 8, 10, False)])
+    out = split_tails(launches, starts, ends, has_mask=True)
+    # whole tiles; a 100-token unit; masked; small tiles; a partial 100-token unit; 2100-token units
+    assert SPLIT_TAIL_ROWS == 64 and SPLIT_TAIL_TILES * 64 <= 2100
+    assert [ln.split_tail for ln in out] == [True, False, False, False, False, True]
+    assert out[3] is launches[3]
+    assert split_tails(launches, starts, ends, has_mask=False)[2].split_tail  # unmasked plan: 64 whole tokens
 
 
 def test_tall_contig_kernel_matches_reference(device):

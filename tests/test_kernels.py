@@ -163,10 +163,12 @@ def test_precompile_launches_every_variant():
     # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
     # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV
     # tiles also with 2 warps; x2 for the direct-output variant, x2 for the grid order, x2 for the
-    # mask split (masked plan only); merge head blocks 1, 2, 4, 8 with and without LSE
+    # mask split (masked plan only), and tall ones unmasked also with the split tail; merge head
+    # blocks 1, 2, 4, 8 with and without LSE
     configs = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes)
     assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
-    assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 4
+    tall = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes if s[0] >= 64)
+    assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 2 * tall + 2 * 4
 
 
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
@@ -187,6 +189,28 @@ def test_heads_inner_grid_order_matches_reference(rng, device, strategy, spec, h
     w.run(q, k[:, None], v[:, None], inner, out=out, lse=lse)
     o_ref, lse_ref = reference_attention(q, k[:, None], v[:, None], tree)
     assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
+                                               ("pack", "1,3_129,33", 1), ("flatten", "1,3_40,9", 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_tail_matches_reference(rng, device, strategy, spec, hkv, dtype):
+    """``split_tail`` (whole KV tiles through the select-free step, a unit's partial last tile
+    after the loop; the builder sets it for tall unmasked launches) computes the same result on
+    units of odd lengths; forced on every launch here (masked launches ignore it)."""
+    tree = tree_from_spec(spec)
+    q, k, v = (torch.randn(n, h, 32, device=device).to(dtype) for n, h in (
+        (tree.num_queries, 4), (tree.num_tokens, hkv), (tree.num_tokens, hkv)))
+    w = TreeAttention(device=device, backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=hkv, head_dim=32, dtype=dtype, strategy=strategy)
+    tails = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, split_tail=True)
+                                                     for ln in plan.launches))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((tree.num_queries, 4), float("nan"), device=device)
+    w.run(q, k[:, None], v[:, None], tails, out=out, lse=lse)
+    o_ref, lse_ref = reference_attention(q.double(), k[:, None].double(), v[:, None].double(), tree)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
 
 
 def test_builder_orders_heads_inner_for_long_work_units():

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
-from treeattn.plan.addressing import contig_configs, gathered_configs
+from treeattn.plan.addressing import SPLIT_TAIL_ROWS, contig_configs, gathered_configs
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
@@ -208,17 +208,17 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
         # contig launches may run one pipeline stage less, tall ones another tile, gathered 32-row
-        # ones two warps (plan.addressing)
+        # ones two warps, unmasked tall ones the split tail (plan.addressing)
         configs = [cfg for shape in launch_shapes(heads)
                    for cfg in [(shape[0], *c, False) for c in gathered_configs(*shape)]
                    + [(shape[0], *c, True) for c in contig_configs(*shape)]]
-        for (m, n, warps, stages, contig), direct, inner, split in itertools.product(
-                configs, (0, plan.num_direct), (False, True), (False, True)):
-            if split and not plan.has_mask:
+        for (m, n, warps, stages, contig), direct, inner, split, tail in itertools.product(
+                configs, (0, plan.num_direct), (False, True), (False, True), (False, True)):
+            if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)):
                 continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
                                                                 heads_inner=inner, mask_split=split,
-                                                                contig=contig),),
+                                                                contig=contig, split_tail=tail),),
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
             launches += 1

@@ -1,14 +1,15 @@
 """Affine KV addressing (:attr:`~treeattn.plan.plan.Launch.contig`): which work units read one run
 of consecutive slots, and which launches of a plan compute their K/V addresses (and with which
 tile) instead of loading them from the slot list; gathered launches of many 32-row programs run
-two warps a program."""
+two warps a program; tall launches over whole tiles take the select-free softmax step
+(:attr:`~treeattn.plan.plan.Launch.split_tail`)."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-__all__ = ["TILE_TALL_CONTIG", "contig_configs", "contig_launches", "gathered_configs", "unit_runs"]
+__all__ = ["TILE_TALL_CONTIG", "contig_configs", "contig_launches", "gathered_configs", "split_tails", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
@@ -20,6 +21,10 @@ TALL_CONTIG_WAVES = 6
 GATHERED_NARROW_ROWS = 32
 GATHERED_NARROW_WAVES = 6
 GATHERED_NARROW_WARPS = 2
+#: Unmasked launches of at least SPLIT_TAIL_ROWS-row tiles take Launch.split_tail when none of their
+#: units ends in a partial KV tile, or when their units average SPLIT_TAIL_TILES tiles or more
+SPLIT_TAIL_ROWS = 64
+SPLIT_TAIL_TILES = 32
 
 
 def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
@@ -92,3 +97,25 @@ def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int
 def _gathered_narrow(block_m: int, block_n: int) -> bool:
     """A gathered launch of this shape runs GATHERED_NARROW_WARPS warps given enough waves."""
     return block_m == GATHERED_NARROW_ROWS and block_n >= 64
+
+
+def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *, has_mask: bool) -> tuple:
+    """``launches`` with :attr:`Launch.split_tail` set where the select-free step over whole KV
+    tiles pays: unmasked launches of tall query tiles whose units hold whole tiles only, or
+    long units.
+
+    The step issues ~14% fewer instructions a tile (a 128-row tile's loop body for sm_90), which
+    bounds tall tiles over long items, but a unit's partial last tile then runs after the
+    software-pipelined loop, one more memory round trip a program. Per launch on an H200 (every
+    suite plan, benchmarks/probe_full_tiles.py): 1.02-1.09x faster where no unit has a partial
+    tile, 1.02-1.10x on units of 32 tiles or more, 0.89-0.98x on the short round-up items of
+    ``pack`` whose units all have one.
+    """
+    out = []
+    for ln in launches:
+        tall = ln.block_m >= SPLIT_TAIL_ROWS and not (has_mask and ln.masked) and ln.work_end > ln.work_start
+        if tall:
+            length = work_kv_end[ln.work_start: ln.work_end] - work_kv_start[ln.work_start: ln.work_end]
+            tall = not (length % ln.block_n).any() or length.mean() >= SPLIT_TAIL_TILES * ln.block_n
+        out.append(dataclasses.replace(ln, split_tail=tall) if tall != ln.split_tail else ln)
+    return tuple(out)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.addressing import contig_launches, unit_runs
+from treeattn.plan.addressing import contig_launches, split_tails, unit_runs
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.plan import (
@@ -276,8 +276,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[i], w_bounds[i + 1], num_warps, num_stages,
                                    masked=masked[i], heads_inner=long_units and not multi_tile[i], mask_split=split))
     gather_launches = tuple(launches)
-    launches = contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
-                               heads.num_kv_heads, num_sms, has_mask=needs_mask)
+    launches = split_tails(contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
+                                           heads.num_kv_heads, num_sms, has_mask=needs_mask),
+                           work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(item_bound[-1])

@@ -11,6 +11,8 @@ their tails), which is cheaper than splicing its three arrays.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -75,12 +77,19 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
             continue
         k = lo + int(np.argmax(counts[lo:hi] > 0))
         if new_slots[inserted[k]] != h.kv_slots[h.tail_pos[k]] + 1:
-            out.append(ln)
+            out.append(_with_split_tail(ln, now))
         else:
             is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
-            return contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
-                                   has_mask=plan.has_mask)
+            return tuple(_with_split_tail(x, now) for x, now in zip(
+                contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
+                                has_mask=plan.has_mask), plan.launches))
     return tuple(out)
+
+
+def _with_split_tail(launch, now):
+    """``launch`` with the patched plan's ``split_tail`` hint (kept, not re-checked: grown units may
+    end in a partial tile, which the kernel runs after the loop)."""
+    return dataclasses.replace(launch, split_tail=now.split_tail) if launch.split_tail != now.split_tail else launch
 
 
 def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
