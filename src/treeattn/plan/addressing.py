@@ -116,6 +116,6 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
         tall = ln.block_m >= SPLIT_TAIL_ROWS and not (has_mask and ln.masked) and ln.work_end > ln.work_start
         if tall:
             length = work_kv_end[ln.work_start: ln.work_end] - work_kv_start[ln.work_start: ln.work_end]
-            tall = not (length % ln.block_n).any() or length.mean() >= SPLIT_TAIL_TILES * ln.block_n
+            tall = bool(not (length % ln.block_n).any() or length.mean() >= SPLIT_TAIL_TILES * ln.block_n)
         out.append(dataclasses.replace(ln, split_tail=tall) if tall != ln.split_tail else ln)
     return tuple(out)
