@@ -153,6 +153,10 @@ class CostModel:
     #: row on the longest query's chain, latency-bound)
     launch_overhead_s: float = 1.91e-6
     merge_step_s: float = 0.407e-6
+    #: what a direct plan (no merge launch) saves beyond the fitted merge term, which ranks
+    #: merging plans among themselves: a merge launch takes 7-14 us under graph replay even for
+    #: one query (benchmarks/floor.py)
+    direct_saving_s: float = 8e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
@@ -262,4 +266,4 @@ class CostModel:
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
                                        ) + self.launch_overhead_s
         return {"attention": attn, "merge": merge, "launches": len(launches), "masked": masked,
-                "total": attn + merge + self.fixed_overhead_s}
+                "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * direct}

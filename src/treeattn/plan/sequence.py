@@ -15,6 +15,15 @@ from treeattn.tree import DecodingTree
 
 
 def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    items, note, _, _ = sequence_variants(tree, heads, cost)
+    return items, note
+
+
+def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
+                      ) -> tuple[WorkItems, str, WorkItems | None, str]:
+    """``(split items, note, unsplit items, note)``: ``sequence``'s items, and for ``auto`` each
+    query's whole path as one item (one launch writing the output, no merge), None when the split
+    leaves every path whole."""
     path = tree.visible_tokens
     queries = np.arange(tree.num_queries)
 
@@ -27,4 +36,9 @@ def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tup
     items = DeferredItems(path, np.ones(tree.num_queries, dtype=np.int64), make, queries, queries)
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
     max_len = max(cost.min_split_tokens, -(-int(path.max()) // splits))
-    return split_long_items(items, max_len), f"sequence: KV split at {max_len} tokens"
+    split = split_long_items(items, max_len)
+    whole = None if split is items else items
+    return split, f"sequence: KV split at {max_len} tokens", whole, "sequence: no KV split"
+
+
+plan_sequence.variants = sequence_variants
