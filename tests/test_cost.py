@@ -119,6 +119,42 @@ def test_auto_prefers_fewer_kernels_among_close_estimates():
     assert loose == exact or "fewest kernels within" in why
 
 
+def test_auto_takes_the_unsplit_sequence_plan_of_short_paths():
+    """``auto`` rates each query's whole path as one item (one launch, no merge) when paths are at
+    most 2 x min_split_tokens: on 1,2,64_8,256,32 at 32/8 (296-token paths) it wins (measured on an
+    H200: 21.2 against 26.1 us for the split plans' best; benchmarks/probe_direct.py), and the
+    plan writes every output directly. ``sequence`` itself keeps Flash-Decoding's split."""
+    from treeattn.plan.sequence import sequence_variants
+
+    tree = tree_from_spec("1,2,64_8,256,32")
+    cost = CostModel()
+    split, _, whole, note = sequence_variants(tree, H200_HEADS, cost)
+    assert whole is not None and whole.num_items == tree.num_queries and "no KV split" in note
+    assert split.num_items > tree.num_queries
+    plan = make_plan(tree, H200_HEADS, strategy="auto", cost=cost)
+    assert plan.strategy == "sequence" and "no KV split" in plan.reason
+    assert plan.num_direct == tree.num_queries and plan.merge_q_indices.numel() == 0
+    assert make_plan(tree, H200_HEADS, strategy="sequence").num_rows == split.item_queries.sum()
+    # no direct saving: the model's merge term alone rates the split plans faster
+    assert "no KV split" not in make_plan(tree, H200_HEADS, strategy="auto",
+                                          cost=CostModel(direct_saving_s=0.0)).reason
+    # paths longer than 2 x min_split_tokens keep the split only (slow lone programs)
+    assert sequence_variants(tree_from_medusa(32, context_len=1000), H200_HEADS, cost)[2] is None
+    assert sequence_variants(tree, H200_HEADS, CostModel(min_split_tokens=128))[2] is None
+
+
+def test_direct_saving_applies_to_direct_plans_only():
+    tree = tree_from_spec("1,2,64_8,256,32")
+    items = {s: p(tree, H200_HEADS, CostModel())[0] for s, p in PLANNERS.items()}
+    whole = PLANNERS["sequence"].variants(tree, H200_HEADS, CostModel())[2]
+    saving = CostModel().direct_saving_s
+    assert 0 < saving < CostModel().fixed_overhead_s  # estimates stay positive
+    for it in [*items.values(), whole]:
+        a, b = (estimate_items(tree, it, H200_HEADS, CostModel(direct_saving_s=x)) for x in (0.0, saving))
+        assert b["total"] == pytest.approx(a["total"] - saving * (a["merge"] == 0), rel=1e-12)
+    assert estimate_items(tree, whole, H200_HEADS, CostModel())["merge"] == 0
+
+
 def test_explain_mentions_choice_and_estimates():
     plan = make_plan(tree_from_spec("1,16,64_1024,256,32"), H200_HEADS, strategy="auto")
     text = plan.explain()

@@ -80,9 +80,10 @@ def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: 
     """Returns ``(chosen strategy, its items, reason, candidates)``: ``candidates`` are
     ``(strategy, estimated seconds)`` of every planner, best estimate first.
 
-    A planner with ``variants`` (:class:`~treeattn.plan.packing.LeafPackingPlanner`) hands back
-    its items with and without leaf packing; all are rated in one pass of the cost model, and
-    such a planner's candidate is the variant it would have chosen itself."""
+    A planner with ``variants`` hands back two item sets: :class:`~treeattn.plan.packing.LeafPackingPlanner`
+    its items with and without leaf packing, ``sequence`` its split items and, for short paths,
+    the unsplit ones (one launch, no merge; ``sequence`` alone always splits). All are rated in
+    one pass of the cost model, and such a planner's candidate is the better rated of its two."""
     made = [(name, *(planner.variants(tree, heads, cost) if hasattr(planner, "variants")
                      else (*planner(tree, heads, cost), None, "")))
             for name, planner in planners.items()]

@@ -23,7 +23,12 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
                       ) -> tuple[WorkItems, str, WorkItems | None, str]:
     """``(split items, note, unsplit items, note)``: ``sequence``'s items, and for ``auto`` each
     query's whole path as one item (one launch writing the output, no merge), None when the split
-    leaves every path whole."""
+    leaves every path whole or a path is longer than ``2 x cost.min_split_tokens``.
+
+    Unsplit paths of up to ~300 tokens beat every split plan on small trees (one launch instead
+    of two and a merge: 21.2 against 26.1 us on ``1,2,64_8,256,32`` at 32/8); longer ones make a
+    few slow programs the cost model rates too fast (Medusa trees over 1000 tokens: 36-48 us
+    against 26-28 for the best plan; benchmarks/probe_direct.py)."""
     path = tree.visible_tokens
     queries = np.arange(tree.num_queries)
 
@@ -37,7 +42,7 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
     max_len = max(cost.min_split_tokens, -(-int(path.max()) // splits))
     split = split_long_items(items, max_len)
-    whole = None if split is items else items
+    whole = None if split is items or int(path.max()) > 2 * cost.min_split_tokens else items
     return split, f"sequence: KV split at {max_len} tokens", whole, "sequence: no KV split"
 
 
