@@ -2,7 +2,8 @@
 
 Every query attends to its own root-to-node path as if it were an ordinary sequence, so a KV token
 shared by ``s`` queries is read ``s`` times. Long paths are split so that the grid has about
-``cost.target_programs`` programs, as Flash-Decoding does.
+``cost.target_programs`` programs, as Flash-Decoding does. ``auto`` also rates short paths unsplit
+(:func:`sequence_variants`).
 """
 from __future__ import annotations
 
@@ -46,4 +47,6 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
     return split, f"sequence: KV split at {max_len} tokens", whole, "sequence: no KV split"
 
 
+# plan_auto rates both item sets of a planner with ``variants`` (the protocol of
+# plan.packing.LeafPackingPlanner); ``sequence`` on its own always splits
 plan_sequence.variants = sequence_variants
