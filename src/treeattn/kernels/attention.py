@@ -52,8 +52,8 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if FULL:
         # every row sees every entry, so m_new is finite (m_i may be -inf before the first
-        # tile): no selects, and the scale folds into one FMA with the max (log2 domain). Tall
-        # tiles over long items are bound by these per-entry instructions, not by the MMA
+        # tile): no selects, and the scale folds into one FMA with the max (log2 domain). These
+        # per-entry instructions are most of a tall tile's non-MMA work
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = m_new
         p = tl.exp2(s * qk_scale - m_new[:, None])

@@ -40,10 +40,11 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
 
     # one item per query: its path (the segments made when first read)
     items = DeferredItems(path, np.ones(tree.num_queries, dtype=np.int64), make, queries, queries)
+    longest = int(path.max())
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
-    max_len = max(cost.min_split_tokens, -(-int(path.max()) // splits))
+    max_len = max(cost.min_split_tokens, -(-longest // splits))
     split = split_long_items(items, max_len)
-    whole = None if split is items or int(path.max()) > 2 * cost.min_split_tokens else items
+    whole = None if split is items or longest > 2 * cost.min_split_tokens else items
     return split, f"sequence: KV split at {max_len} tokens", whole, "sequence: no KV split"
 
 
