@@ -84,6 +84,24 @@ def test_launch_features_match_build_plan(name, heads):
                       for ln in plan.host.gather_launches)
         assert got == want, strategy
         assert e["launches"] == len(plan.launches)
+        assert e["tall_first"] == plan.tall_first, strategy  # the launch order the model rated
+
+
+def test_tall_first_when_a_program_is_long():
+    """A long program of a tall launch (a shared prefix read by many queries) starts first; short
+    programs keep the builder's order (measured: benchmarks/probe_order.py)."""
+    heads = HeadConfig(64, 8, 128)
+    cm = CostModel()
+    long_root = make_plan(tree_from_spec("1,2,64_1024,256,256"), heads, strategy="node", cost=cm)
+    assert long_root.tall_first and len(long_root.launches) > 1
+    assert "(tallest first)" in long_root.explain()
+    short = make_plan(tree_from_spec("1,256_256,32"), heads, strategy="pack", cost=cm)
+    assert not short.tall_first and len(short.launches) > 1
+    one_launch = make_plan(tree_from_spec("1,10_4000,400"), heads, strategy="sequence", cost=cm)
+    assert len(one_launch.launches) == 1 and not one_launch.tall_first
+    never = make_plan(tree_from_spec("1,2,64_1024,256,256"), heads, strategy="node",
+                      cost=CostModel(tall_first_s=float("inf")))
+    assert not never.tall_first and never.launches == long_root.launches
 
 
 def test_auto_avoids_clearly_slower_strategies():

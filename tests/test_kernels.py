@@ -213,6 +213,23 @@ def test_split_tail_matches_reference(rng, device, strategy, spec, hkv, dtype):
     assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
 
 
+@pytest.mark.parametrize("strategy,spec", [("node", "1,4,16_300,40,9"), ("pack", "2,8_300,20"), ("flatten", "2,8_64,20")])
+def test_tall_first_launch_order_matches_reference(rng, device, strategy, spec):
+    """Running a plan's launches tallest first (``Plan.tall_first``: the builder sets it when a
+    program is long; forced here) computes the same result."""
+    tree = tree_from_spec(spec)
+    q, k, v = (torch.randn(n, h, 32, device=device) for n, h in ((tree.num_queries, 8), (tree.num_tokens, 2),
+                                                                  (tree.num_tokens, 2)))
+    w = TreeAttention(device=device, backend="triton")
+    plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy=strategy)
+    assert len(plan.launches) > 1
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((tree.num_queries, 8), float("nan"), device=device)
+    w.run(q, k[:, None], v[:, None], dataclasses.replace(plan, tall_first=not plan.tall_first), out=out, lse=lse)
+    o_ref, lse_ref = reference_attention(q.double(), k[:, None].double(), v[:, None].double(), tree)
+    assert rel_l2(out.double(), o_ref) <= 1e-4 and rel_l2(lse.double(), lse_ref) <= 1e-4
+
+
 def test_builder_orders_heads_inner_for_long_work_units():
     """Long work units (>= HEADS_INNER_MIN_TOKENS KV tokens on average in a launch) get the
     heads-inner grid order; short ones, and items with several query tiles, keep the

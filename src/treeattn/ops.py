@@ -86,7 +86,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     With CUDA ``streams``, launches after the first run on them (round robin), forked from and
     joined back into the current stream, so launches of different tile shapes run side by side
-    (PAT's multi-stream forward; a CUDA graph captures them as parallel branches).
+    (PAT's multi-stream forward; a CUDA graph captures them as parallel branches). The first
+    launch is the tallest with ``plan.tall_first``, else the shortest.
     """
     _check_triton_device(q)
     h = plan.heads
@@ -129,7 +130,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )
 
-    for i, launch in enumerate(plan.launches):
+    for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
         if i == 0 or not side:
             launch_group(launch)
         else:

@@ -35,9 +35,8 @@ def make_plan(tree: DecodingTree, heads: HeadConfig, *, strategy: str = "auto", 
     if strategy == "auto":
         name, items, reason, ranked = plan_auto(tree, heads, cost, PLANNERS)
         return build_plan(tree, items, heads, strategy=name, device=device, reason=reason,
-                          requested_strategy="auto", candidates=ranked, num_sms=cost.num_sms)
+                          requested_strategy="auto", candidates=ranked, cost=cost)
     if strategy not in PLANNERS:
         raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
     items, reason = PLANNERS[strategy](tree, heads, cost)
-    return build_plan(tree, items, heads, strategy=strategy, device=device, reason=reason,
-                      num_sms=cost.num_sms)
+    return build_plan(tree, items, heads, strategy=strategy, device=device, reason=reason, cost=cost)

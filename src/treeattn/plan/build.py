@@ -140,14 +140,16 @@ def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.n
 
 def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strategy: str,
                device="cpu", reason: str = "", requested_strategy: str | None = None,
-               candidates: tuple = (), num_sms: int = CostModel.num_sms) -> Plan:
+               candidates: tuple = (), cost: CostModel | None = None) -> Plan:
     """Lower planner work items to a :class:`Plan`.
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
     builds the KV slot list, the merge map, the tree mask (only when needed, with each work
-    unit's mask start) and the IO report. ``num_sms`` sizes the launches' pipelines
-    (:func:`~treeattn.plan.plan.contig_launches`).
+    unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`) gives the SM
+    count that sizes the launches' pipelines (:func:`~treeattn.plan.plan.contig_launches`) and
+    decides :attr:`Plan.tall_first`.
     """
+    cost = cost or CostModel()
     topo = tree.topology
     group = heads.group
     # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
@@ -254,7 +256,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     first = [0] + (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
     bounds = first + [n_items]
     kv_tiles = length * tiles  # KV entries of all of each item's work units
-    launches, mask_entries = [], 0
+    launches, mask_entries, longest_s = [], 0, []
     if n_items:
         masked = np.logical_or.reduceat(item_masked, first).tolist()
         # grid order: KV heads side by side for launches of long work units, unless an item has
@@ -275,9 +277,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                 mask_entries += sums[i][split]
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[i], w_bounds[i + 1], num_warps, num_stages,
                                    masked=masked[i], heads_inner=long_units and not multi_tile[i], mask_split=split))
+            # (a launch's first item is its longest)
+            longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads))
     gather_launches = tuple(launches)
     launches = split_tails(contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
-                                           heads.num_kv_heads, num_sms, has_mask=needs_mask),
+                                           heads.num_kv_heads, cost.num_sms, has_mask=needs_mask),
                            work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
@@ -314,7 +318,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         merge_q_indices=t["merge_q_indices"], num_direct=num_direct, mask_lo=t["mask_lo"],
         mask_hi=t["mask_hi"], mask_pos=t["mask_pos"], query_pos=t["query_pos"],
         query_prefix=t["query_prefix"], launches=tuple(launches), io=io, num_items=n_items, reason=reason,
-        candidates=candidates,
+        candidates=candidates, tall_first=cost.tall_first(longest_s),
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node, seg_len=seg_mask[0], seg_lo=seg_mask[1], seg_tin=seg_mask[2],
                       seg_tout=seg_mask[3], tail_seg=seg_mask[4],
@@ -325,5 +329,5 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
-                      gather_launches=gather_launches, num_sms=num_sms, tree=tree),
+                      gather_launches=gather_launches, num_sms=cost.num_sms, tree=tree),
     )

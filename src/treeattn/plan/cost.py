@@ -158,6 +158,12 @@ class CostModel:
     #: one query (benchmarks/floor.py). On the kernel suite's timings any value in 6-10 us makes
     #: the same choices (benchmarks/probe_direct.py, NOTES.md); kept below fixed_overhead_s
     direct_saving_s: float = 6e-6
+    #: a plan whose longest program takes at least this long on its own runs its launches tallest
+    #: query tile first (the builder orders them shortest first, by shape): under graph replay
+    #: with side streams the first launch's programs are dispatched first, so a long program of a
+    #: tall launch queued last ran alone after the others (benchmarks/probe_order.py: 10 us
+    #: separates the suite plans that gain from the few small ones that lose, NOTES.md)
+    tall_first_s: float = 10e-6
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
@@ -189,6 +195,18 @@ class CostModel:
         """Concurrent programs of the balance split: ``num_sms * balance_programs_per_sm``."""
         return max(1, round(self.num_sms * self.balance_programs_per_sm))
 
+    def program_s(self, block_m: int, block_n: int, kv_tiles: int, heads: HeadConfig) -> float:
+        """Seconds of one unmasked program over ``kv_tiles`` KV tiles on its own."""
+        d = heads.head_dim
+        return kv_tiles * (block_n * d * 2 * _elem_bytes(heads) / self.program_bandwidth
+                           + 4.0 * block_m * block_n * d / self.program_flops)
+
+    def tall_first(self, longest_s: list) -> bool:
+        """Whether launches whose longest programs take ``longest_s`` seconds (:meth:`program_s`) run
+        the tallest query tiles first (:attr:`Plan.tall_first`): with some program of at least
+        ``tall_first_s``, that program is the critical path and should start at once."""
+        return len(longest_s) > 1 and max(longest_s) >= self.tall_first_s
+
     def estimate(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
                  merge_rows_max: int = 1, num_queries: int | None = None,
                  kv_tokens: int | None = None, masked: bool = False) -> float:
@@ -201,7 +219,7 @@ class CostModel:
                   merge_rows_max: int = 1, num_queries: int | None = None,
                   kv_tokens: int | None = None, masked: bool | np.ndarray = False) -> dict:
         """Seconds of one run, by part: ``attention``, ``merge``, ``total`` (and ``launches``,
-        ``masked``).
+        ``masked``, ``tall_first``).
 
         Attention, per launch (:func:`launch_features`): a KV tile costs an SM
         ``tile bytes / sm_bandwidth + tile FLOPs / sm_flops`` and a program ``program_overhead_s``
@@ -209,7 +227,9 @@ class CostModel:
         program on its own (``program_bandwidth``, ``program_flops``), plus
         ``launch_overhead_s``. Launches are modelled one after another (under a CUDA graph they
         overlap on side streams; the fitted constants absorb it, and a model that adds their SM
-        times fitted worse: benchmarks/NOTES.md); all of them cannot beat HBM
+        times fitted worse: benchmarks/NOTES.md), except when the plan runs its tallest launch
+        first (:meth:`tall_first`): then their SM times add up, softly no less than the longest
+        program. All of them cannot beat HBM
         bandwidth for the unique KV (``kv_tokens``, default: every item token) and the partial
         rows written. The tree mask (``masked``: for the plan, or per item, a launch then being
         masked when one of its items is) makes every KV tile of a masked launch ``1 + mask_cost`` times
@@ -251,14 +271,20 @@ class CostModel:
         num_queries = rows if num_queries is None else int(num_queries)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
-        attn = 0.0
+        sm_times, longest_times, unmasked = [], [], []
         for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain numbers
             mask = 1.0 + self.mask_cost * (launch_masked if per_item else masked)
             tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
-            sm_time = (programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms
-            longest_s = longest * (block_n * tok_bytes / self.program_bandwidth
-                                   + 4.0 * block_m * block_n * d / self.program_flops) * mask
-            attn += (sm_time ** p + longest_s ** p) ** (1.0 / p) + self.launch_overhead_s
+            sm_times.append((programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms)
+            unmasked.append(self.program_s(block_m, block_n, longest, heads))
+            longest_times.append(unmasked[-1] * mask)
+        tall_first = self.tall_first(unmasked)
+        if tall_first:
+            # the longest programs start first and run beside the other launches' programs
+            attn = (sum(sm_times) ** p + max(longest_times) ** p) ** (1.0 / p)
+        else:
+            attn = sum((a ** p + b ** p) ** (1.0 / p) for a, b in zip(sm_times, longest_times))
+        attn += len(launches) * self.launch_overhead_s
         # every query with a single row: the attention kernel writes the output, no merge launch
         direct = merge_rows_max <= 1 and rows == num_queries
         partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
@@ -266,5 +292,5 @@ class CostModel:
         merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
                                        (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
                                        ) + self.launch_overhead_s
-        return {"attention": attn, "merge": merge, "launches": len(launches), "masked": masked,
+        return {"attention": attn, "merge": merge, "launches": len(launches), "masked": masked, "tall_first": tall_first,
                 "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * (direct and bool(launches))}

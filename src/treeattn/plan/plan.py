@@ -228,6 +228,11 @@ class Plan:
         DeFT's bit causal mask in O(1) words per token for any number of queries.
     query_pos, query_prefix : int32 [Q] or None
     launches : tuple of Launch
+        In work-unit order, shortest query tile first.
+    tall_first : bool
+        Run the launches in reverse order: some program of a tall launch is long enough to be
+        the critical path (:meth:`CostModel.tall_first`), and the first launch's programs are
+        dispatched first.
     candidates : tuple of (str, float)
         ``auto`` plans: every strategy with the cost model's estimate in seconds, best first
         (the engine times the near-best ones); empty for other plans.
@@ -261,6 +266,7 @@ class Plan:
     reason: str = ""
     host: PlanHost | None = None
     candidates: tuple = ()
+    tall_first: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -289,7 +295,8 @@ class Plan:
         """Why this plan: the strategy, its choice (for ``auto``) and its IO."""
         io = self.io
         lines = [f"strategy={self.strategy}: {self.num_items} work items -> {self.num_work} "
-                 f"query tiles in {len(self.launches)} launch(es), {self.num_rows} rows "
+                 f"query tiles in {len(self.launches)} launch(es){' (tallest first)' if self.tall_first else ''}, "
+                 f"{self.num_rows} rows "
                  f"({self.num_direct} written directly, {self.merge_q_indices.numel()} queries "
                  f"merged), mask={'on' if self.has_mask else 'off'}",
                  f"IO bytes: kv={io.kv:,} (+{io.kv_tile_rereads:,} query-tile re-reads) "
