@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import random_tree
 
+from treeattn import TreeAttention
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan, make_plan
 from treeattn.plan.auto import estimate_items, plan_auto
 from treeattn.plan.cost import launch_features
@@ -102,6 +103,15 @@ def test_tall_first_when_a_program_is_long():
     never = make_plan(tree_from_spec("1,2,64_1024,256,256"), heads, strategy="node",
                       cost=CostModel(tall_first_s=float("inf")))
     assert not never.tall_first and never.launches == long_root.launches
+    # launches that run one after another (no side streams: the engine) keep their order, and
+    # the model rates them one after another
+    serial = CostModel(side_streams=False)
+    assert not make_plan(tree_from_spec("1,2,64_1024,256,256"), heads, strategy="node", cost=serial).tall_first
+    tree = tree_from_spec("1,2,64_1024,256,256")
+    items, _ = PLANNERS["node"](tree, heads, cm)
+    together, apart = estimate_items(tree, items, heads, cm), estimate_items(tree, items, heads, serial)
+    assert together["tall_first"] and not apart["tall_first"] and apart["total"] > together["total"]
+    assert not TreeAttention(streams=0).cost.side_streams and TreeAttention().cost.side_streams
 
 
 def test_auto_avoids_clearly_slower_strategies():

@@ -43,7 +43,8 @@ class TreeAttention:
         "auto" runs the Triton kernels on CUDA tensors and the PyTorch reference backend
         otherwise.
     cost : CostModel, optional
-        Cost model for the balancing planners and ``auto``.
+        Cost model for the balancing planners and ``auto`` (default: ``CostModel()``, with
+        ``side_streams=False`` when ``streams`` is 0).
     streams : int
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
@@ -66,7 +67,7 @@ class TreeAttention:
             device = workspace.device if device is None else device
         self.device = torch.device(device if device is not None else "cpu")
         self.backend = _resolve_backend(backend, self.device)
-        self.cost = cost or CostModel()
+        self.cost = cost or CostModel(side_streams=streams > 0)
         self._workspace = workspace
         self._owns_workspace = workspace is None
         if streams < 0:

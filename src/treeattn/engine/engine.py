@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
+from treeattn import CostModel, DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
 from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
@@ -73,9 +73,10 @@ class TreeEngine:
         tuner = None
         if strategy == "auto" and tune:
             tuner = StrategyTuner(timer=EventTimer() if model.device.type == "cuda" else HostTimer())
+        # (launches one after another: see self.attention)
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh,
-                                   tuner=tuner)
+                                   tuner=tuner, cost=CostModel(side_streams=False))
         self.backend = backend
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued

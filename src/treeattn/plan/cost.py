@@ -164,6 +164,10 @@ class CostModel:
     #: tall launch queued last ran alone after the others (benchmarks/probe_order.py: 10 us
     #: separates the suite plans that gain from the few small ones that lose, NOTES.md)
     tall_first_s: float = 10e-6
+    #: a plan's launches run side by side (:class:`~treeattn.TreeAttention` side streams under a
+    #: CUDA graph); False where they run one after another (no side streams: the engine), where
+    #: no plan runs tallest first and launches are rated one after another
+    side_streams: bool = True
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
@@ -205,7 +209,7 @@ class CostModel:
         """Whether launches whose longest programs take ``longest_s`` seconds (:meth:`program_s`) run
         the tallest query tiles first (:attr:`Plan.tall_first`): with some program of at least
         ``tall_first_s``, that program is the critical path and should start at once."""
-        return len(longest_s) > 1 and max(longest_s) >= self.tall_first_s
+        return self.side_streams and len(longest_s) > 1 and max(longest_s) >= self.tall_first_s
 
     def estimate(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
                  merge_rows_max: int = 1, num_queries: int | None = None,
