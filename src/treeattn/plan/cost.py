@@ -119,14 +119,14 @@ def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int
     return [[ln for ln in launches[i:i + n_shapes] if ln] for i in range(0, size, n_shapes)]
 
 
-_ELEM_BYTES: dict = {}
+@functools.lru_cache(maxsize=16)
+def _dtype_bytes(dtype) -> int:
+    # (cached: torch's itemsize property costs more than the lookup in auto's rating loop)
+    return dtype.itemsize
 
 
 def _elem_bytes(heads: HeadConfig) -> int:
-    eb = _ELEM_BYTES.get(heads.dtype)
-    if eb is None:
-        eb = _ELEM_BYTES[heads.dtype] = heads.elem_bytes
-    return eb
+    return _dtype_bytes(heads.dtype)
 
 
 @dataclass(frozen=True)
