@@ -143,15 +143,16 @@ def loss(x: np.ndarray, feat: dict, cases: np.ndarray, w_sel: float) -> float:
     return out
 
 
-def coordinate_search(x: np.ndarray, feat: dict, cases: np.ndarray, w_sel: float, iters: int = 500
-                      ) -> np.ndarray:
-    """Multiplicative coordinate search (every constant is positive), adaptive step per constant."""
+def coordinate_search(x: np.ndarray, feat: dict, cases: np.ndarray, w_sel: float, iters: int = 500,
+                      hold: frozenset = frozenset()) -> np.ndarray:
+    """Multiplicative coordinate search (every constant is positive), adaptive step per constant;
+    the constants named in ``hold`` stay as given."""
     x = x.copy()
-    step = np.full(x.size, 0.5)
+    step = np.array([0.0 if k in hold else 0.5 for k in PARAMS])
     best = loss(x, feat, cases, w_sel)
     p_idx = PARAMS.index("overlap_exponent")
     for _ in range(iters):
-        for i in range(x.size):
+        for i in np.flatnonzero(step):
             for sgn in (1.0, -1.0):
                 y = x.copy()
                 y[i] *= math.exp(sgn * step[i])
@@ -169,10 +170,11 @@ def coordinate_search(x: np.ndarray, feat: dict, cases: np.ndarray, w_sel: float
     return x
 
 
-def fit(feat: dict, cases: np.ndarray) -> np.ndarray:
-    x = np.array([START[k] for k in PARAMS])
-    x = coordinate_search(x, feat, cases, 0.0)
-    return coordinate_search(x, feat, cases, SELECTION_WEIGHT)
+def fit(feat: dict, cases: np.ndarray, hold: frozenset = frozenset()) -> np.ndarray:
+    """Fitted constants; those in ``hold`` keep the ``CostModel()`` defaults."""
+    x = np.array([getattr(CostModel(), k) if k in hold else START[k] for k in PARAMS])
+    x = coordinate_search(x, feat, cases, 0.0, hold=hold)
+    return coordinate_search(x, feat, cases, SELECTION_WEIGHT, hold=hold)
 
 
 def rounded(x: np.ndarray) -> np.ndarray:
@@ -188,6 +190,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", default=str(HERE / "results" / "h200_kernels.json"))
     ap.add_argument("--no-cv", action="store_true", help="skip the leave-one-tree-out cross validation")
+    ap.add_argument("--hold", default="", help="comma-separated constants to keep at the CostModel() "
+                    "defaults (program_bandwidth,program_flops also decide Plan.tall_first: holding "
+                    "them keeps the measured plans)")
     args = ap.parse_args()
     with open(args.results) as f:
         rows = json.load(f)["rows"]
@@ -196,7 +201,10 @@ def main():
     print(f"features of {len(rows)} cases x {len(STRATEGIES)} strategies in {time.perf_counter() - t0:.1f}s "
           f"(launch shapes, rows, merge chains and masks match build_plan)")
     all_cases = np.arange(len(rows))
-    x = fit(feat, all_cases)
+    hold = frozenset(filter(None, args.hold.split(",")))
+    if hold - set(PARAMS):
+        ap.error(f"--hold: unknown constants {sorted(hold - set(PARAMS))}")
+    x = fit(feat, all_cases, hold)
     xr = rounded(x)
     meas = feat["plan"][:, 9]
     print("\nfitted constants (CostModel fields; paste into src/treeattn/plan/cost.py):")
@@ -240,7 +248,7 @@ def main():
         tree_of = np.array([r["tree"] for r in rows])
         for spec in dict.fromkeys(tree_of):
             held = tree_of == spec
-            xf = rounded(fit(feat, np.flatnonzero(~held)))
+            xf = rounded(fit(feat, np.flatnonzero(~held), hold))
             t = predict(xf, feat)
             reg_cv[held] = regrets(t, feat)[held]
             for c in np.flatnonzero(held):
