@@ -135,16 +135,20 @@ def test_auto_avoids_clearly_slower_strategies():
 
 def test_auto_prefers_fewer_kernels_among_close_estimates():
     """Within ``choice_margin`` of the best estimate, auto takes the plan with the fewest kernels
-    (launches plus the merge); with no margin, the best estimate."""
-    tree = tree_from_spec("1,16,64_1024,256,32")
-    est = {s: estimate_items(tree, p(tree, H200_HEADS, CostModel())[0], H200_HEADS, CostModel())
-           for s, p in PLANNERS.items()}
-    kernels = {s: e["launches"] + (e["merge"] > 0) for s, e in est.items()}
-    exact, *_ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=0.0), PLANNERS)
-    assert est[exact]["total"] == min(e["total"] for e in est.values())
-    loose, _, why, _ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=100.0), PLANNERS)
-    assert kernels[loose] == min(kernels.values())
-    assert loose == exact or "fewest kernels within" in why
+    (launches plus the merge; launches that run side by side, tallest first, count as one); with
+    no margin, the best estimate."""
+    for tree, side_streams in ((tree_from_spec("1,16,64_1024,256,32"), False),
+                               (tree_from_spec("4,16,256,512_512,32,128,32"), True)):
+        cm = CostModel(side_streams=side_streams)
+        est = {s: estimate_items(tree, p(tree, H200_HEADS, cm)[0], H200_HEADS, cm) for s, p in PLANNERS.items()}
+        kernels = {s: (1 if e["tall_first"] else e["launches"]) + (e["merge"] > 0) for s, e in est.items()}
+        exact, *_ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=0.0, side_streams=side_streams), PLANNERS)
+        assert est[exact]["total"] == min(e["total"] for e in est.values())
+        loose, _, why, _ = plan_auto(tree, H200_HEADS, CostModel(choice_margin=100.0, side_streams=side_streams),
+                                     PLANNERS)
+        assert kernels[loose] == min(kernels.values())
+        assert loose == exact or "fewest kernels within" in why
+    assert any(e["tall_first"] and e["launches"] > 1 for e in est.values())  # (the second tree)
 
 
 def test_auto_takes_the_unsplit_sequence_plan_of_short_paths():

@@ -110,4 +110,5 @@ def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: 
 
 
 def _kernels(est: dict) -> int:
-    return est["launches"] + (est["merge"] > 0)
+    # launches that run side by side, tallest first, pay one launch's floor between them
+    return (1 if est["tall_first"] else est["launches"]) + (est["merge"] > 0)

@@ -171,9 +171,11 @@ class CostModel:
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 6.46e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
-    #: of the best: closer estimates are within the model's error (rms log error ~0.15). On the
-    #: kernel suite's timings (results/h200_kernels.json, leaf packing), 2% picks within 5% of the
-    #: fastest strategy on 92/96 cases (worst 1.11x), 0% on 91 (1.21x), 5% on 90 (1.25x)
+    #: of the best (launches that run side by side, tallest first, count as one): closer estimates
+    #: are within the model's error (rms log error ~0.15). On the kernel suite's timings
+    #: (results/h200_kernels.json at 29a76a5), 0%, 2% and 5% all pick within 5% of the fastest
+    #: strategy on 94/96 cases (worst 1.14x); counting those launches one each, 94, 93 and 92 (the
+    #: last with a 1.27x miss)
     choice_margin: float = 0.02
     #: let ``node`` and ``greedy`` pack small leaf items (:mod:`treeattn.plan.packing`)
     leaf_packing: bool = True
