@@ -360,3 +360,12 @@ def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng, de
         ref = reference_attention(q, k, v, seen)[0]
         err = float((out.double() - ref).norm() / ref.norm())
         assert err < 1e-4, (step, err)
+
+
+def test_engine_plans_for_launches_one_after_another():
+    """The engine runs a plan's launches without side streams, so its planner's cost model rates
+    them one after another and no plan runs tallest first."""
+    from treeattn.engine import TreeEngine, TreeModel
+
+    eng = TreeEngine(TreeModel.random("tiny"), kv_tokens=256, backend="torch")
+    assert eng.planner.cost is eng.attention.cost and not eng.planner.cost.side_streams

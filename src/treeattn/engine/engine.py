@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from treeattn import CostModel, DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
+from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
 from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
 from treeattn.engine.kv import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
@@ -73,15 +73,15 @@ class TreeEngine:
         tuner = None
         if strategy == "auto" and tune:
             tuner = StrategyTuner(timer=EventTimer() if model.device.type == "cuda" else HostTimer())
-        # (launches one after another: see self.attention)
-        self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
-                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh,
-                                   tuner=tuner, cost=CostModel(side_streams=False))
         self.backend = backend
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued
         # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
         self.attention = TreeAttention(device=model.device, backend=backend, streams=0)
+        # (its cost model rates launches one after another, as they run)
+        self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
+                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh,
+                                   tuner=tuner, cost=self.attention.cost)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None

@@ -106,8 +106,9 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
 
     The step issues ~14% fewer instructions a tile (a 128 x 32 tile's loop body, PTX for sm_90 from
     Triton 3.9: 636 -> 545 a thread), which bound tall tiles over long items, but a unit's partial
-    last tile then runs after the software-pipelined loop, one more memory round trip a program. Per plan on an H200 (every
-    suite plan with the step on all tall unmasked launches, benchmarks/probe_full_tiles.py):
+    last tile then runs after the software-pipelined loop, one more memory round trip a program.
+    Per plan on an H200 (every suite plan with the step on all tall unmasked launches,
+    benchmarks/probe_full_tiles.py):
     geomean 1.013x (0.98-1.13x, 193 plans) where no unit has a partial tile, 1.033x (1.00-1.10x,
     4 plans) on units of 32 tiles or more, 0.980x (0.85-1.02x, 83 plans) otherwise, e.g. the
     short round-up items of ``pack``.

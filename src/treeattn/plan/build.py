@@ -146,7 +146,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     Drops empty segments, items without tokens or queries; picks each item's query tile;
     builds the KV slot list, the merge map, the tree mask (only when needed, with each work
     unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`) gives the SM
-    count that sizes the launches' pipelines (:func:`~treeattn.plan.plan.contig_launches`) and
+    count that sizes the launches' pipelines (:func:`~treeattn.plan.addressing.contig_launches`) and
     decides :attr:`Plan.tall_first`.
     """
     cost = cost or CostModel()

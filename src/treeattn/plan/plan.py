@@ -111,7 +111,7 @@ class Launch:
     ``split_tail``: the kernel runs each unmasked unit's whole KV tiles with a select-free
     softmax step and its last, partial tile after the loop (set for tall query tiles, whose
     tiles are bound by those per-entry instructions; see
-    :func:`~treeattn.plan.addressing.contig_launches`).
+    :func:`~treeattn.plan.addressing.split_tails`).
     """
 
     block_m: int

@@ -11,8 +11,6 @@ their tails), which is cheaper than splicing its three arrays.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -89,7 +87,7 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
 def _with_split_tail(launch, now):
     """``launch`` with the patched plan's ``split_tail`` hint (kept, not re-checked: grown units may
     end in a partial tile, which the kernel runs after the loop)."""
-    return dataclasses.replace(launch, split_tail=now.split_tail) if launch.split_tail != now.split_tail else launch
+    return _replace(launch, split_tail=now.split_tail) if launch.split_tail != now.split_tail else launch
 
 
 def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
