@@ -11,11 +11,14 @@ CUDA-graph latencies (``graph_us``):
 2. then the same plus the selection regret of a soft minimum over the strategies (what ``auto``
    pays for a wrong choice), by coordinate search in log space (no scipy needed).
 
-Reports, per case, the measured best, ``auto``'s choice before (recorded in the results) and
-after (the ``CostModel()`` defaults now in cost.py, through ``plan_auto``), the in-sample and the
-leave-one-tree-out cross-validated hit rates (auto within 5% of the fastest) and worst regret.
+``--probe`` adds the ``paths`` variants that results/h200_probe_paths.json timed on the same cases
+(``benchmarks/probe_paths.py``) as further candidates of each case.
 
-    PYTHONPATH=src python benchmarks/fit_cost_model.py [--results PATH] [--no-cv]
+Reports, per case, the measured best, ``auto``'s choice before (recorded in the results) and
+after (the ``CostModel()`` defaults now in cost.py), the in-sample and the leave-one-tree-out
+cross-validated hit rates (auto within 5% of the fastest) and worst regret.
+
+    PYTHONPATH=src:benchmarks python benchmarks/fit_cost_model.py [--results PATH] [--probe PATH] [--no-cv]
 """
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan
-from treeattn.plan.auto import estimate_items, plan_auto
-from treeattn.plan.cost import _launches
+from treeattn.plan.auto import _kernels, estimate_items
+from treeattn.plan.cost import launches_by_group
 from treeattn.workloads import tree_from_spec
 
 HERE = Path(__file__).resolve().parent
-STRATEGIES = tuple(PLANNERS)
+#: the strategies the kernel suite's results time (``paths`` comes from the probe)
+STRATEGIES = tuple(s for s in PLANNERS if s != "paths")
 HEAD_DIM = 128
 #: fitted constants of CostModel, in this order
 PARAMS = ("program_bandwidth", "program_flops", "program_overhead_s", "sm_bandwidth", "sm_flops",
@@ -49,45 +53,72 @@ SELECTION_WEIGHT = 10.0
 
 
 # ----------------------------------------------------------------------------- features
-def extract(rows: list[dict], check: bool = True) -> dict:
-    """Features of every (case, strategy); ``check`` compares them with the lowered Plan."""
+def candidates(r: dict, probe: dict | None, tree, heads: HeadConfig, cm: CostModel) -> list:
+    """``(name, items, measured seconds)`` of one case: every suite strategy, then the probe's
+    ``paths`` variants of the case."""
+    out = [(s, PLANNERS[s](tree, heads, cm)[0], r["graph_us"][s] * 1e-6) for s in STRATEGIES]
+    got = (probe or {}).get((r["tree"], r["hq"], r["hkv"]))
+    if got:
+        from probe_paths import variants
+        out += [(n, items, got["us"][n] * 1e-6) for n, items in variants(tree, heads, cm).items()]
+    return out
+
+
+def extract(rows: list[dict], probe: dict | None = None, check: bool = True) -> dict:
+    """Features of every (case, candidate); ``check`` compares them with the lowered Plan."""
     cm = CostModel()
     trees: dict = {}
-    launches, plans = [], []
+    launches, plans, names = [], [], []
     for ci, r in enumerate(rows):
         tree = trees.setdefault(r["tree"], tree_from_spec(r["tree"]))
         heads = HeadConfig(r["hq"], r["hkv"], HEAD_DIM)
-        for s in STRATEGIES:
-            items, _ = PLANNERS[s](tree, heads, cm)
+        for s, items, measured in candidates(r, probe, tree, heads, cm):
             length, nq = items.item_len, items.item_queries
             used = (length > 0) & (nq > 0)
             # the inputs plan_auto gives the model (merge chain, mask, unique KV); the mask per
-            # launch: per item when the planner knows (leaf packing), else the plan's
+            # launch: per item when the planner knows (leaf packing, paths), else the plan's
             q_used = items.q_indices[np.repeat(used, nq)]
             mrm = int(np.bincount(q_used, minlength=tree.num_queries).max())
             masked = int((length[used] * nq[used]).sum()) > int(tree.visible_tokens.sum())
             item_masked = items.masked[used] if items.masked is not None else np.full(int(used.sum()), masked)
-            f = np.array(_launches(length[used], nq[used], heads, item_masked), dtype=np.float64).reshape(-1, 6)
+            lead = items.mask_lead[used] if items.mask_lead is not None else None
+            f = np.array(launches_by_group(length[used], nq[used], 0, 1, item_masked, heads, lead)[0],
+                         dtype=np.float64).reshape(-1, 7)
             masked = masked or bool(item_masked.any())
             # the launch order the plan runs (decided by the default constants, like the plans)
             tall_first = cm.tall_first([cm.program_s(int(a), int(b), int(t), heads) for a, b, t in f[:, [0, 1, 4]]])
             if check:
-                plan = build_plan(tree, items, heads, strategy=s)
+                plan = build_plan(tree, items, heads, strategy=s if s in PLANNERS else "paths")
                 got = sorted((int(a), int(b), int(p)) for a, b, p in f[:, :3])
                 want = sorted((ln.block_m, ln.block_n, (ln.work_end - ln.work_start) * heads.num_kv_heads)
                               for ln in plan.host.gather_launches)
-                assert got == want, (r["tree"], s, got, want)
+                # (the builder gives a KV chunk of a path tile whose rows see nothing of it a
+                # shorter query tile than the model counts)
+                assert got == want or s not in PLANNERS, (r["tree"], s, got, want)
                 assert plan.has_mask == masked, (r["tree"], s)
-                assert plan.num_rows == int(nq[used].sum()), (r["tree"], s)
-                assert int(np.diff(plan.merge_indptr.numpy()).max()) == mrm, (r["tree"], s)
+                # (a KV chunk of a path tile may hold nothing some of its queries see: the plan drops
+                # those rows, the model counts them)
+                assert plan.num_rows <= int(nq[used].sum()), (r["tree"], s)
+                assert int(np.diff(plan.merge_indptr.numpy()).max()) <= mrm, (r["tree"], s)
                 assert plan.tall_first == tall_first, (r["tree"], s)
             pid = len(plans)
             launches.extend((pid,) + tuple(x) for x in f)
-            plans.append((ci, STRATEGIES.index(s), r["hq"], r["hkv"], int(nq[used].sum()), tree.num_queries,
-                          int(tree.node_extent.sum()), int(masked), mrm, r["graph_us"][s] * 1e-6, int(tall_first)))
+            plans.append((ci, len(names), r["hq"], r["hkv"], int(nq[used].sum()), tree.num_queries,
+                          int(tree.node_extent.sum()), int(masked), mrm, measured, int(tall_first)))
+            names.append(s)
     L = np.array(launches, dtype=np.float64)
     P = np.array(plans, dtype=np.float64)
-    return {"launch": L, "plan": P, "n_cases": len(rows)}
+    case = P[:, 0].astype(np.int64)
+    slot = np.arange(case.size) - np.searchsorted(case, case)  # position within its case
+    return {"launch": L, "plan": P, "n_cases": len(rows), "case": case, "slot": slot, "names": names,
+            "width": int(slot.max()) + 1}
+
+
+def by_case(values: np.ndarray, feat: dict, fill: float = np.inf) -> np.ndarray:
+    """[cases, width] matrix of per-candidate ``values`` (``fill`` where a case has fewer)."""
+    out = np.full((feat["n_cases"], feat["width"]), fill)
+    out[feat["case"], feat["slot"]] = values
+    return out
 
 
 # ----------------------------------------------------------------------------- model
@@ -96,14 +127,14 @@ def predict(x: np.ndarray, feat: dict) -> np.ndarray:
     c = dict(zip(PARAMS, x))
     L, P = feat["launch"], feat["plan"]
     pid = L[:, 0].astype(np.int64)
-    block_m, block_n, programs, work, longest, launch_masked = L[:, 1:].T
+    block_m, block_n, programs, work, longest, launch_masked, masked_work = L[:, 1:].T
     hq, hkv, rows, nqueries, kv_tokens, masked, mrm = (P[:, i] for i in range(2, 9))
     cm = CostModel()
     d, eb = HEAD_DIM, 2
     tok_bytes = d * 2 * eb
     mask = 1.0 + c["mask_cost"] * launch_masked
-    tile_sm_s = (block_n * tok_bytes / c["sm_bandwidth"] + 4.0 * block_m * block_n * d / c["sm_flops"]) * mask
-    sm_time = (programs * c["program_overhead_s"] + work * tile_sm_s) / cm.num_sms
+    tile_sm_s = block_n * tok_bytes / c["sm_bandwidth"] + 4.0 * block_m * block_n * d / c["sm_flops"]
+    sm_time = (programs * c["program_overhead_s"] + (work + c["mask_cost"] * masked_work) * tile_sm_s) / cm.num_sms
     longest_s = longest * (block_n * tok_bytes / c["program_bandwidth"]
                            + 4.0 * block_m * block_n * d / c["program_flops"]) * mask
     p = c["overlap_exponent"]
@@ -125,21 +156,22 @@ def predict(x: np.ndarray, feat: dict) -> np.ndarray:
 
 
 def regrets(t: np.ndarray, feat: dict) -> np.ndarray:
-    """Measured latency of the strategy the model picks / the fastest, per case."""
-    T = t.reshape(feat["n_cases"], len(STRATEGIES))
-    M = feat["plan"][:, 9].reshape(T.shape)
+    """Measured latency of the candidate the model picks / the fastest, per case."""
+    T, M = by_case(t, feat), by_case(feat["plan"][:, 9], feat)
     return M[np.arange(T.shape[0]), T.argmin(1)] / M.min(1)
 
 
 def loss(x: np.ndarray, feat: dict, cases: np.ndarray, w_sel: float) -> float:
-    t = predict(x, feat).reshape(feat["n_cases"], -1)[cases]
-    M = feat["plan"][:, 9].reshape(feat["n_cases"], -1)[cases]
-    out = float(np.mean(np.log(t / M) ** 2))
+    t = predict(x, feat)
+    M_all = feat["plan"][:, 9]
+    in_cases = np.isin(feat["case"], cases)
+    out = float(np.mean(np.log(t[in_cases] / M_all[in_cases]) ** 2))
     if w_sel:
-        z = -np.log(t / t.min(1, keepdims=True)) / SOFTMIN_T
+        T, M = by_case(t, feat)[cases], by_case(M_all, feat)[cases]
+        z = -np.log(T / T.min(1, keepdims=True)) / SOFTMIN_T
         pr = np.exp(z)
         pr /= pr.sum(1, keepdims=True)
-        out += w_sel * float(np.mean(np.log((pr * M).sum(1) / M.min(1))))
+        out += w_sel * float(np.mean(np.log(np.nansum(pr * np.where(np.isinf(M), 0.0, M), 1) / M.min(1))))
     return out
 
 
@@ -193,12 +225,18 @@ def main():
     ap.add_argument("--hold", default="", help="comma-separated constants to keep at the CostModel() "
                     "defaults (program_bandwidth,program_flops also decide Plan.tall_first: holding "
                     "them keeps the measured plans)")
+    ap.add_argument("--probe", help="results of benchmarks/probe_paths.py: its paths variants join each case's "
+                    "candidates")
     args = ap.parse_args()
     with open(args.results) as f:
         rows = json.load(f)["rows"]
+    probe = None
+    if args.probe:
+        with open(args.probe) as f:
+            probe = {(r["tree"], r["hq"], r["hkv"]): r for r in json.load(f)["rows"]}
     t0 = time.perf_counter()
-    feat = extract(rows)
-    print(f"features of {len(rows)} cases x {len(STRATEGIES)} strategies in {time.perf_counter() - t0:.1f}s "
+    feat = extract(rows, probe)
+    print(f"features of {len(rows)} cases, {len(feat['names'])} candidates in {time.perf_counter() - t0:.1f}s "
           f"(launch shapes, rows, merge chains and masks match build_plan)")
     all_cases = np.arange(len(rows))
     hold = frozenset(filter(None, args.hold.split(",")))
@@ -213,32 +251,34 @@ def main():
     rms = math.sqrt(np.mean(np.log(predict(xr, feat) / meas) ** 2))
     print(f"rms log error of the latencies: {rms:.3f}")
 
-    # the defaults now in cost.py, through the real plan_auto (and the vectorized copy agrees)
+    # the defaults now in cost.py, through estimate_items (and the vectorized copy agrees); auto's
+    # pick among the measured candidates: each planner's best estimate, then the fewest kernels
+    # within choice_margin of the best (sequence's unsplit variant is not timed here)
     cm = CostModel()
     x_now = np.array([getattr(cm, k) for k in PARAMS])
     if not np.allclose(x_now, xr, rtol=1e-9):
         print("NOTE: CostModel() defaults differ from this fit; 'after' uses the defaults in cost.py")
     t_now = predict(x_now, feat)
     trees: dict = {}
-    after, unsplit = [], []  # (cases where auto rated sequence's unsplit variant, not timed here)
+    picked = np.zeros(len(rows), dtype=np.int64)
     for ci, r in enumerate(rows):
         tree = trees.setdefault(r["tree"], tree_from_spec(r["tree"]))
         heads = HeadConfig(r["hq"], r["hkv"], HEAD_DIM)
-        name, _, reason, ranked = plan_auto(tree, heads, cm, PLANNERS)
-        after.append(name)
-        unsplit.append(dict(ranked)["sequence"] < t_now[(ci + 1) * len(STRATEGIES) - len(STRATEGIES)] * (1 - 1e-9))
-        for s in STRATEGIES:
-            items, _ = PLANNERS[s](tree, heads, cm)
-            est = estimate_items(tree, items, heads, cm)["total"]
-            vec = t_now[ci * len(STRATEGIES) + STRATEGIES.index(s)]
-            assert math.isclose(est, vec, rel_tol=1e-9), (r["tree"], r["hq"], r["hkv"], s, est, vec)
-    # plan_auto takes the fewest kernels within choice_margin of the best estimate
-    T_now = t_now.reshape(len(rows), -1)
-    picked = np.array([STRATEGIES.index(a) for a in after])
-    ok = T_now[np.arange(len(rows)), picked] <= T_now.min(1) * (1 + cm.choice_margin) * (1 + 1e-12)
-    assert (ok | np.array(unsplit)).all()
-    M = feat["plan"][:, 9].reshape(T_now.shape)
+        best_of: dict = {}
+        for j, (s, items, _) in enumerate(candidates(r, probe, tree, heads, cm)):
+            est = estimate_items(tree, items, heads, cm)
+            k = np.flatnonzero((feat["case"] == ci) & (feat["slot"] == j))[0]
+            assert math.isclose(est["total"], t_now[k], rel_tol=1e-9), (r["tree"], r["hq"], r["hkv"], s)
+            planner = s if s in PLANNERS else "paths"
+            if planner not in best_of or est["total"] < best_of[planner][0]:
+                best_of[planner] = (est["total"], _kernels(est), j)
+        top = min(v[0] for v in best_of.values())
+        picked[ci] = min((v for v in best_of.values() if v[0] <= top * (1 + cm.choice_margin)),
+                         key=lambda v: (v[1], v[0]))[2]
+    M = by_case(meas, feat)
     reg_after = M[np.arange(len(rows)), picked] / M.min(1)
+    after = [feat["names"][np.flatnonzero((feat["case"] == ci) & (feat["slot"] == j))[0]]
+             for ci, j in enumerate(picked)]
 
     reg_cv = None
     if not args.no_cv:
@@ -251,23 +291,23 @@ def main():
             xf = rounded(fit(feat, np.flatnonzero(~held), hold))
             t = predict(xf, feat)
             reg_cv[held] = regrets(t, feat)[held]
+            T = by_case(t, feat)
             for c in np.flatnonzero(held):
-                pick_cv[c] = STRATEGIES[int(t.reshape(len(rows), -1)[c].argmin())]
+                pick_cv[c] = feat["names"][np.flatnonzero((feat["case"] == c) & (feat["slot"] == T[c].argmin()))[0]]
         print(f"leave-one-tree-out fits in {time.perf_counter() - t0:.0f}s")
 
     print(f"\n{'tree':44s} {'heads':6s} {'best (us)':>20s} {'before':>18s} {'after':>18s}"
           + (f" {'cv':>18s}" if reg_cv is not None else ""))
     for ci, r in enumerate(rows):
-        g = r["graph_us"]
-        best = min(STRATEGIES, key=g.get)
+        g = dict(zip((feat["names"][k] for k in np.flatnonzero(feat["case"] == ci)), M[ci] * 1e6))
+        best = min(g, key=g.get)
         b = r["auto_choice"]
-        line = (f"{r['tree'][:44]:44s} {r['hq']}/{r['hkv']:<3d} {best:>11s} {g[best]:8.1f} "
-                f"{b:>11s} {g[b] / g[best]:5.2f}x {after[ci]:>11s} {reg_after[ci]:5.2f}x")
+        line = (f"{r['tree'][:44]:44s} {r['hq']}/{r['hkv']:<3d} {best:>18s} {g[best]:8.1f} "
+                f"{b:>11s} {g[b] / g[best]:5.2f}x {after[ci]:>18s} {reg_after[ci]:5.2f}x")
         if reg_cv is not None:
-            line += f" {pick_cv[ci]:>11s} {reg_cv[ci]:5.2f}x"
+            line += f" {pick_cv[ci]:>18s} {reg_cv[ci]:5.2f}x"
         print(line + ("  <- miss" if reg_after[ci] > HIT else ""))
-    before = np.array([r["graph_us"][r["auto_choice"]] / min(r["graph_us"][s] for s in STRATEGIES)
-                       for r in rows])
+    before = np.array([r["graph_us"][r["auto_choice"]] * 1e-6 / M[ci].min() for ci, r in enumerate(rows)])
     print(f"\nbefore (recorded auto):   {summary(before)}")
     print(f"after, in-sample:         {summary(reg_after)}")
     if reg_cv is not None:

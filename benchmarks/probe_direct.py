@@ -46,7 +46,8 @@ def main(argv=None) -> None:
             hc = HeadConfig(hq, hkv, HEAD_DIM)
             row = {"tree": name, "hq": hq, "hkv": hkv}
             plans = {s: None for s in PLANNERS}
-            whole = sequence_variants(tree, hc, CostModel())[2]
+            variants = sequence_variants(tree, hc, CostModel())
+            whole = variants[1][0] if len(variants) > 1 else None
             for streams in (3, 0):
                 w = TreeAttention(device="cuda", streams=streams)
                 for s in PLANNERS:

@@ -160,8 +160,8 @@ def test_auto_takes_the_unsplit_sequence_plan_of_short_paths():
 
     tree = tree_from_spec("1,2,64_8,256,32")
     cost = CostModel()
-    split, _, whole, note = sequence_variants(tree, H200_HEADS, cost)
-    assert whole is not None and whole.num_items == tree.num_queries and "no KV split" in note
+    (split, _), (whole, note) = sequence_variants(tree, H200_HEADS, cost)
+    assert whole.num_items == tree.num_queries and "no KV split" in note
     assert split.num_items > tree.num_queries
     plan = make_plan(tree, H200_HEADS, strategy="auto", cost=cost)
     assert plan.strategy == "sequence" and "no KV split" in plan.reason
@@ -171,14 +171,14 @@ def test_auto_takes_the_unsplit_sequence_plan_of_short_paths():
     assert "no KV split" not in make_plan(tree, H200_HEADS, strategy="auto",
                                           cost=CostModel(direct_saving_s=0.0)).reason
     # paths longer than 2 x min_split_tokens keep the split only (slow lone programs)
-    assert sequence_variants(tree_from_medusa(32, context_len=1000), H200_HEADS, cost)[2] is None
-    assert sequence_variants(tree, H200_HEADS, CostModel(min_split_tokens=128))[2] is None
+    assert len(sequence_variants(tree_from_medusa(32, context_len=1000), H200_HEADS, cost)) == 1
+    assert len(sequence_variants(tree, H200_HEADS, CostModel(min_split_tokens=128))) == 1
 
 
 def test_direct_saving_applies_to_direct_plans_only():
     tree = tree_from_spec("1,2,64_8,256,32")
     items = {s: p(tree, H200_HEADS, CostModel())[0] for s, p in PLANNERS.items()}
-    whole = PLANNERS["sequence"].variants(tree, H200_HEADS, CostModel())[2]
+    whole = PLANNERS["sequence"].variants(tree, H200_HEADS, CostModel())[1][0]
     saving = CostModel().direct_saving_s
     assert 0 < saving < CostModel().fixed_overhead_s  # estimates stay positive
     for it in [*items.values(), whole]:

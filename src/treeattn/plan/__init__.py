@@ -9,6 +9,7 @@ from treeattn.plan.greedy import plan_greedy
 from treeattn.plan.node import plan_node
 from treeattn.plan.node_chunk import plan_node_chunk
 from treeattn.plan.pack import plan_pack
+from treeattn.plan.paths import plan_paths
 from treeattn.plan.plan import HeadConfig, Launch, Plan, PlanIO
 from treeattn.plan.sequence import plan_sequence
 from treeattn.tree import DecodingTree
@@ -22,6 +23,7 @@ PLANNERS = {
     "flatten": plan_flatten,
     "pack": plan_pack,
     "greedy": plan_greedy,
+    "paths": plan_paths,
 }
 STRATEGIES = ("auto",) + tuple(PLANNERS)
 

@@ -53,9 +53,14 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
             if f is not None:
                 flagged[a:b] = f
         flagged &= used
+    lead = None
+    if flagged is not None and any(it.mask_lead is not None for it in unique):
+        lead = np.concatenate([np.full(it.num_items, -1, dtype=np.int64) if it.mask_lead is None else it.mask_lead
+                               for it in unique])
     set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
     estimates = {}
-    for i, (it, launches) in enumerate(zip(unique, launches_by_group(length, nq, set_of, len(unique), flagged, heads))):
+    launches = launches_by_group(length, nq, set_of, len(unique), flagged, heads, lead)
+    for i, (it, launches) in enumerate(zip(unique, launches)):
         a, b = bounds[i], bounds[i + 1]
         pairs, tokens = pairs_at[i + 1] - pairs_at[i], tokens_at[i + 1] - tokens_at[i]
         # every visible token of a query is in exactly one of its items, so the items hold more
@@ -75,27 +80,32 @@ def needs_mask(tree: DecodingTree, items: WorkItems) -> bool:
     return int(items.item_len @ items.item_queries) > int(tree.visible_tokens.sum())
 
 
+def best_variant(tree: DecodingTree, variants: list, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    """The ``(items, note)`` of ``variants`` that the cost model rates fastest (the first of equals)."""
+    if len(variants) == 1:
+        return variants[0]
+    est = estimate_many(tree, [v[0] for v in variants], heads, cost)
+    return variants[min(range(len(variants)), key=lambda i: est[i]["total"])]
+
+
 def plan_auto(tree: DecodingTree, heads: HeadConfig, cost: CostModel, planners: dict
               ) -> tuple[str, WorkItems, str, tuple]:
     """Returns ``(chosen strategy, its items, reason, candidates)``: ``candidates`` are
     ``(strategy, estimated seconds)`` of every planner, best estimate first.
 
-    A planner with ``variants`` hands back two item sets: :class:`~treeattn.plan.packing.LeafPackingPlanner`
-    its items with and without leaf packing, ``sequence`` its split items and, for short paths,
-    the unsplit ones (one launch, no merge; ``sequence`` alone always splits). All are rated in
-    one pass of the cost model, and such a planner's candidate is the better rated of its two."""
-    made = [(name, *(planner.variants(tree, heads, cost) if hasattr(planner, "variants")
-                     else (*planner(tree, heads, cost), None, "")))
-            for name, planner in planners.items()]
-    sets = [m[1] for m in made] + [m[3] for m in made if m[3] is not None]
-    estimates = estimate_many(tree, sets, heads, cost)
-    packed_est = iter(estimates[len(made):])
+    A planner with ``variants`` hands back several item sets, ``[(items, note), ...]``:
+    :class:`~treeattn.plan.packing.LeafPackingPlanner` its items with and without leaf packing,
+    ``sequence`` its split items and, for short paths, the unsplit ones (one launch, no merge;
+    ``sequence`` alone always splits), ``paths`` one per query-tile height and split. All are
+    rated in one pass of the cost model, and such a planner's candidate is its best rated (the
+    first of equals, as the planner on its own chooses)."""
+    made = [(name, planner.variants(tree, heads, cost) if hasattr(planner, "variants")
+             else [planner(tree, heads, cost)]) for name, planner in planners.items()]
+    estimates = iter(estimate_many(tree, [v[0] for _, variants in made for v in variants], heads, cost))
     scored = []
-    for (name, items, note, packed, packed_note), est in zip(made, estimates):
-        if packed is not None:
-            alt = next(packed_est)
-            if alt["total"] < est["total"]:  # (as the planner would choose)
-                items, note, est = packed, packed_note, alt
+    for name, variants in made:
+        rated = [(next(estimates), items, note) for items, note in variants]
+        est, items, note = min(rated, key=lambda r: r[0]["total"])
         scored.append((est["total"], name, items, note, est))
     scored.sort(key=lambda s: s[0])
     close = [s for s in scored if s[0] <= scored[0][0] * (1.0 + cost.choice_margin)]

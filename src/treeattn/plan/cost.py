@@ -43,7 +43,7 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
     keep = (length > 0) & (nq > 0)
     if not keep.all():
         length, nq = length[keep], nq[keep]
-    return np.array(_launches(length, nq, heads), dtype=np.float64).reshape(-1, 6)[:, :5]
+    return np.array(_launches(length, nq, heads), dtype=np.float64).reshape(-1, 7)[:, :5]
 
 
 @functools.lru_cache(maxsize=64)
@@ -77,10 +77,13 @@ def _launches_many(sets: list, heads: HeadConfig) -> list:
 
 
 def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int, flagged: np.ndarray | None,
-                      heads: HeadConfig) -> list:
+                      heads: HeadConfig, lead: np.ndarray | None = None) -> list:
     """:func:`_launches` of the items of ``num_groups`` sets at once: ``group`` (int [items] or a
     scalar) is each item's set, ``num_groups`` for items to leave out; ``flagged`` (bool [items]
-    or None) the items whose launch applies the mask. Returns a list of launches per set."""
+    or None) the items whose launch applies the mask, ``lead`` (int [items] or None) the tokens
+    of each item before its mask starts (the kernel runs the whole KV tiles before it unmasked;
+    -1 or None: not known, and then all tiles of the item's launch count as masked). Returns a list of launches per set, each with a seventh entry: the
+    masked KV tiles of its flagged items' programs."""
     block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(heads.group, heads.head_dim)
     m_idx = np.searchsorted(block_m, nq * heads.group if heads.group > 1 else nq)
     np.minimum(m_idx, block_m.size - 1, out=m_idx)
@@ -106,13 +109,24 @@ def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int
     np.add.at(work, shape, tiles * kv_tiles)
     longest = np.zeros_like(programs)
     np.maximum.at(longest, shape, kv_tiles)
-    flags = [False] * size
+    flags, masked_work = [False] * size, [0] * size
     if flagged is not None:
         # (a boolean ufunc.at is ~10x slower than counting the flagged items' shapes)
         flags = (np.bincount(shape[flagged], minlength=size) > 0).tolist()
+        if lead is None:
+            masked_work = work * np.array(flags)
+        else:  # items of a known lead count their tiles from it; a launch with others, all of its tiles
+            known = flagged & (lead >= 0)
+            block_n = np.where(is_long, long_n, short_n)[known] if two_kv_tiles else short_n
+            counted = tiles[known] * (kv_tiles[known] - lead[known] // block_n)
+            masked_work = np.bincount(shape[known], counted, minlength=size).astype(np.int64)
+            whole = np.bincount(shape[flagged & (lead < 0)], minlength=size) > 0
+            masked_work[whole] = work[whole]
+        masked_work = masked_work.tolist()
     hkv = heads.num_kv_heads
     size -= n_shapes
-    launches = [(int(block_m[k % n_shapes // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k])
+    launches = [(int(block_m[k % n_shapes // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k],
+                 masked_work[k] * hkv)
                 if p > 0 else None
                 for k, (p, w, m) in enumerate(zip(programs[:size].tolist(), work[:size].tolist(),
                                                   longest[:size].tolist()))]
@@ -278,10 +292,13 @@ class CostModel:
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
         sm_times, longest_times, unmasked = [], [], []
-        for block_m, block_n, programs, work, longest, launch_masked in launches:  # plain numbers
-            mask = 1.0 + self.mask_cost * (launch_masked if per_item else masked)
-            tile_sm_s = (block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops) * mask
-            sm_times.append((programs * self.program_overhead_s + work * tile_sm_s) / self.num_sms)
+        for block_m, block_n, programs, work, longest, launch_masked, masked_work in launches:  # plain numbers
+            if not per_item:
+                launch_masked, masked_work = masked, work * masked
+            mask = 1.0 + self.mask_cost * launch_masked
+            tile_sm_s = block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops
+            work_s = (work + self.mask_cost * masked_work) * tile_sm_s
+            sm_times.append((programs * self.program_overhead_s + work_s) / self.num_sms)
             unmasked.append(self.program_s(block_m, block_n, longest, heads))
             longest_times.append(unmasked[-1] * mask)
         tall_first = self.tall_first(unmasked)

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, balance_split, glued_items, split_long_items
+from treeattn.plan.items import WorkItems, glued_items, spread_items
 from treeattn.plan.packing import LeafPackingPlanner
-from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
+from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
 
 
@@ -139,23 +139,7 @@ def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
 
 def _plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     glued, top = _edge_rounds(tree, tree.subtree_queries * heads.group, cost)
-    items = glued_items(tree, glued, top)
-    note = ""
-    item_len = items.item_len
-    used = (item_len > 0) & (items.item_queries > 0)
-    q_tile = max(1, 64 // heads.group)
-    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
-    if programs < cost.target_programs and used.any():
-        per_head = max(1, cost.target_programs // heads.num_kv_heads)
-        max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
-        items = split_long_items(items, max_len)
-        note = f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
-    elif used.any():
-        items, max_len = balance_split(items, group=heads.group, num_kv_heads=heads.num_kv_heads,
-                                       tile_rows=BLOCK_M_CHOICES[-1], slots=cost.balance_slots,
-                                       min_len=cost.min_split_tokens)
-        if max_len is not None:
-            note = f"; long contexts split at {max_len} tokens (fair share of the work)"
+    items, note = spread_items(glued_items(tree, glued, top), heads, cost)
     return items, f"greedy: {int(glued.sum())} edges assigned 1{note}"
 
 

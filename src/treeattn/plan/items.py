@@ -13,11 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from treeattn.plan.plan import BLOCK_M_CHOICES
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "DeferredItems", "balance_split", "glued_items", "group_order", "items_from_groups",
-           "split_long_items"]
+__all__ = ["WorkItems", "DeferredItems", "concat_items", "fair_share_length", "glued_items",
+           "group_order", "items_from_groups", "split_long_items", "spread_items", "spread_length"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class WorkItems:
     masked : bool [num_items] or None
         Items some query sees only part of, when the planner knows (leaf packing); None: the cost
         model assumes the whole plan is masked iff some item is.
+    mask_lead : [num_items] or None
+        Tokens of each item that all its queries see before the first one some query does not (the
+        kernel runs the KV tiles before it unmasked), -1 where not known; None: not known. Only
+        the cost model reads it.
     """
 
     seg_indptr: np.ndarray
@@ -49,6 +54,7 @@ class WorkItems:
     q_indices: np.ndarray
     q_tokens: np.ndarray | None = None
     masked: np.ndarray | None = None
+    mask_lead: np.ndarray | None = None
 
     @property
     def num_items(self) -> int:
@@ -114,7 +120,8 @@ class WorkItems:
             self.seg_lo[seg], self.seg_hi[seg],
             _indptr(self.q_indptr[keep + 1] - self.q_indptr[keep]), self.q_indices[qs],
             None if self.q_tokens is None else self.q_tokens[qs],
-            None if self.masked is None else self.masked[keep])
+            None if self.masked is None else self.masked[keep],
+            None if self.mask_lead is None else self.mask_lead[keep])
 
 
 def _indptr(counts: np.ndarray) -> np.ndarray:
@@ -173,6 +180,58 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
     return _SplitItems(items, chunks, chunk_len)
 
 
+def concat_items(first: WorkItems, second: WorkItems) -> WorkItems:
+    """The items of ``first``, then those of ``second``; ``masked`` flags where both have them or
+    their ``q_tokens``."""
+    def flags(items):
+        if items.masked is not None:
+            return items.masked
+        if items.q_tokens is None:
+            return None
+        seen = _segment_sum(items.q_tokens, items.q_indptr)
+        return seen < items.item_len * items.item_queries
+
+    masked = [flags(first), flags(second)]
+    q_tokens = [first.q_tokens, second.q_tokens]
+    lead = [a if a is not None else np.full(b.num_items, -1, dtype=np.int64)
+            for a, b in ((first.mask_lead, first), (second.mask_lead, second))]
+    return WorkItems(
+        np.concatenate((first.seg_indptr, second.seg_indptr[1:] + first.seg_indptr[-1])),
+        *(np.concatenate((getattr(first, f), getattr(second, f))) for f in ("seg_node", "seg_lo", "seg_hi")),
+        np.concatenate((first.q_indptr, second.q_indptr[1:] + first.q_indptr[-1])),
+        np.concatenate((first.q_indices, second.q_indices)),
+        None if any(a is None for a in q_tokens) else np.concatenate(q_tokens),
+        None if any(a is None for a in masked) else np.concatenate(masked),
+        None if first.mask_lead is None and second.mask_lead is None else np.concatenate(lead),
+    ).with_item_len(np.concatenate((first.item_len, second.item_len)))
+
+
+def spread_items(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[WorkItems, str]:
+    """``items`` split for parallelism at :func:`spread_length`, and its note."""
+    max_len, note = spread_length(items, heads, cost, tile_rows=tile_rows)
+    return (items if max_len is None else split_long_items(items, max_len)), note
+
+
+def spread_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[int | None, str]:
+    """The length at which to split ``items`` for parallelism (None: none) and a note saying why:
+    when their programs (query tiles of ``tile_rows`` rows, per KV head) cannot fill the GPU
+    (``cost.target_programs``), long items are split evenly; otherwise items whose programs are
+    longer than a fair share of the work are (:func:`fair_share_length`)."""
+    item_len = items.item_len
+    used = (item_len > 0) & (items.item_queries > 0)
+    if not used.any():
+        return None, ""
+    q_tile = max(1, tile_rows // heads.group)
+    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
+    if programs < cost.target_programs:
+        per_head = max(1, cost.target_programs // heads.num_kv_heads)
+        max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
+        return max_len, f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
+    max_len = fair_share_length(items, group=heads.group, num_kv_heads=heads.num_kv_heads,
+                                tile_rows=BLOCK_M_CHOICES[-1], slots=cost.balance_slots, min_len=cost.min_split_tokens)
+    return max_len, "" if max_len is None else f"; long contexts split at {max_len} tokens (fair share of the work)"
+
+
 def _made_field(name: str) -> property:
     return property(lambda self: getattr(self.made, name), doc="See :class:`WorkItems` (makes them).")
 
@@ -188,7 +247,7 @@ class DeferredItems(WorkItems):
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
-    masked = None  # (deferred items are not flagged, but for packed leaf items)
+    masked = mask_lead = None  # (deferred items are not flagged, but for packed leaf items and split ones)
 
     def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None,
                  single_nodes=None):
@@ -235,6 +294,12 @@ class _SplitItems(DeferredItems):
             source.item_queries[chunk_item], self._split)
         self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
                              chunk_base=base)
+        if source.mask_lead is not None and source.masked is not None:
+            # a chunk's lead is the part of its item's lead that falls in it
+            offset = (np.arange(int(base[-1])) - base[chunk_item]) * cl
+            lead = np.clip(source.mask_lead[chunk_item] - offset, 0, self.item_len)
+            masked = source.masked[chunk_item] & (lead < self.item_len)
+            self.__dict__.update(masked=masked, mask_lead=np.where(source.mask_lead[chunk_item] < 0, -1, lead))
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each query of a source item is in that item's used chunks: no need to make the chunks'
@@ -280,30 +345,26 @@ class _SplitItems(DeferredItems):
                          piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
 
 
-def balance_split(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
-                  min_len: int) -> tuple[WorkItems, int | None]:
-    """Split the items whose programs are longer than a fair share of the work (PAT's long-KV
-    split, by work rather than by token count).
+def fair_share_length(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
+                      min_len: int) -> int | None:
+    """The length at which to split the items whose programs are longer than a fair share of the
+    work (PAT's long-KV split, by work rather than by token count); None when no item is longer.
 
     A program is one query tile (``tile_rows`` rows of queries x GQA ``group``) of an item for one
     KV head, and walks the item's tokens. When few programs hold most of the work (many queries
     verifying a token tree over one long context: a handful of tall tiles, thousands of tiny
     ones) they run on a few SMs while the rest idle, whatever the program count. The fair share
     is the total work (tokens walked by all programs) over ``slots`` concurrent programs; items
-    longer than it (and than ``min_len``) are split into chunks of about that length.
-
-    Returns the items and the split length (``None`` when nothing was split).
+    longer than it (and than ``min_len``) are to be split into chunks of about that length.
     """
     length, nq = items.item_len, items.item_queries
     used = (length > 0) & (nq > 0)
     if not used.any():
-        return items, None
+        return None
     tiles = -(-(nq[used] * group) // tile_rows)
     share = -(-int(tiles @ length[used]) * num_kv_heads // max(1, slots))
     max_len = max(share, min_len)
-    if int(length[used].max()) <= max_len:
-        return items, None
-    return split_long_items(items, max_len), max_len
+    return None if int(length[used].max()) <= max_len else max_len
 
 
 def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = None) -> WorkItems:

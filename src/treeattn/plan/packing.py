@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-from treeattn.plan.auto import estimate_many, needs_mask
+from treeattn.plan.auto import best_variant, needs_mask
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import DeferredItems, WorkItems, _indptr
 from treeattn.plan.plan import BLOCK_M_CHOICES, HeadConfig
@@ -177,17 +177,11 @@ class LeafPackingPlanner:
     def __init__(self, make):
         self._make = make
 
-    def variants(self, tree: DecodingTree, heads: HeadConfig, cost: CostModel
-                 ) -> tuple[WorkItems, str, WorkItems | None, str]:
-        """``(items, note, packed, packed note)``; ``packed`` is None when nothing would pack."""
+    def variants(self, tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
+        """``[(items, note), (packed, packed note)]``, the second left out when nothing would pack."""
         items, note = self._make(tree, heads, cost)
         packed, k = leaf_packing_variant(tree, items, heads, cost)
-        return items, note, packed, f"{note}; leaf items packed {k} per item"
+        return [(items, note)] + ([] if packed is None else [(packed, f"{note}; leaf items packed {k} per item")])
 
     def __call__(self, tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
-        items, note, packed, packed_note = self.variants(tree, heads, cost)
-        if packed is not None:
-            base, est = estimate_many(tree, [items, packed], heads, cost)
-            if est["total"] < base["total"]:
-                return packed, packed_note
-        return items, note
+        return best_variant(tree, self.variants(tree, heads, cost), heads, cost)

@@ -16,15 +16,13 @@ from treeattn.tree import DecodingTree
 
 
 def plan_sequence(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
-    items, note, _, _ = sequence_variants(tree, heads, cost)
-    return items, note
+    return sequence_variants(tree, heads, cost)[0]
 
 
-def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
-                      ) -> tuple[WorkItems, str, WorkItems | None, str]:
-    """``(split items, note, unsplit items, note)``: ``sequence``'s items, and for ``auto`` each
-    query's whole path as one item (one launch writing the output, no merge), None when the split
-    leaves every path whole or a path is longer than ``2 x cost.min_split_tokens``.
+def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
+    """``[(split items, note), (unsplit items, note)]``: ``sequence``'s items, and for ``auto`` each
+    query's whole path as one item (one launch writing the output, no merge), left out when the
+    split leaves every path whole or a path is longer than ``2 x cost.min_split_tokens``.
 
     Unsplit paths of up to ~300 tokens beat every split plan on small trees (one launch instead
     of two and a merge: 21.2 against 26.1 us on ``1,2,64_8,256,32`` at 32/8); longer ones make a
@@ -44,10 +42,12 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
     max_len = max(cost.min_split_tokens, -(-longest // splits))
     split = split_long_items(items, max_len)
-    whole = None if split is items or longest > 2 * cost.min_split_tokens else items
-    return split, f"sequence: KV split at {max_len} tokens", whole, "sequence: no KV split"
+    out = [(split, f"sequence: KV split at {max_len} tokens")]
+    if split is not items and longest <= 2 * cost.min_split_tokens:
+        out.append((items, "sequence: no KV split"))
+    return out
 
 
-# plan_auto rates both item sets of a planner with ``variants`` (the protocol of
-# plan.packing.LeafPackingPlanner); ``sequence`` on its own always splits
+# plan_auto rates every item set of a planner with ``variants``; ``sequence`` on its own always
+# splits
 plan_sequence.variants = sequence_variants

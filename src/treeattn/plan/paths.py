@@ -1,0 +1,146 @@
+"""``paths``: query tiles that read the union of their queries' paths.
+
+With grouped-query attention a query's partial results can cost more than its KV: at 64/8 heads a
+tree of 1024 leaves under six levels of shared nodes gives each query seven partial rows of
+``hq x head_dim`` to write, read and merge (~50 MB a level) against ~100 MB of KV in all, and
+each level loads the query again. Here consecutive queries (depth-first) fill one query tile, and
+the tile's work item is the union of their paths, root first: a shared node is read once per tile
+(the tiles under it run together, so mostly from L2), each query keeps to its own path through
+the tree mask, and it has one partial row per KV chunk of its tile instead of one per node.
+
+A node whose rows fill only part of a tile wastes the rest of the tile's rows on its tokens
+(masked). Long such nodes (a private leaf of 256 tokens) stay items of their own, as ``node``'s,
+in the variants that keep them apart. Items are then split for parallelism as ``greedy``'s are.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from treeattn.plan.auto import best_variant
+from treeattn.plan.cost import CostModel
+from treeattn.plan.items import WorkItems, _indptr, concat_items, split_long_items, spread_length
+from treeattn.plan.node import node_items
+from treeattn.plan.plan import HeadConfig, _block_m_choices
+from treeattn.topology import ranges
+from treeattn.tree import DecodingTree
+
+#: a node with fewer rows than the query tile stays an item of its own beyond this many tokens
+#: (in the variants that keep such nodes apart)
+OWN_ITEM_TOKENS = 64
+
+
+def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None) -> WorkItems:
+    """Work items of query tiles of up to ``rows`` rows (queries x GQA group, consecutive in
+    depth-first order), each reading the union of its queries' paths over the nodes not flagged in
+    ``own`` (bool [N]); then one item per flagged node with visible tokens (``node``'s).
+
+    A tile's segments are its nodes in pre-order (a node before its descendants), each up to the
+    last token one of the tile's queries sees."""
+    topo = tree.topology
+    eff_node, eff_prefix = tree.effective_queries
+    per_tile = max(1, rows // heads.group)
+    nq = tree.num_queries
+    # depth-first order of the queries: by the pre-order number of their node, then by prefix
+    order = np.lexsort((eff_prefix, topo.tin[eff_node]))
+    tile = np.empty(nq, dtype=np.int64)
+    tile[order] = np.arange(nq) // per_tile
+    num_tiles = -(-nq // per_tile)
+    q, node, visible = tree.visible_pairs
+    if own is not None:
+        keep = ~own[node]
+        q, node, visible = q[keep], node[keep], visible[keep]
+    # one segment per (tile, node), up to the furthest token a query of the tile sees
+    key = tile[q] * tree.num_nodes + topo.tin[node]
+    by_key = np.argsort(key, kind="stable")
+    key = key[by_key]
+    first = np.empty(key.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    seg_tile = key[starts] // tree.num_nodes
+    seg_node = node[by_key[starts]]
+    seg_hi = np.maximum.reduceat(visible[by_key], starts) if starts.size else starts
+    q_tokens = np.bincount(q, visible, minlength=nq).astype(np.int64)[order]
+    item_len = np.bincount(seg_tile, seg_hi, minlength=num_tiles).astype(np.int64)
+    q_counts = np.bincount(tile, minlength=num_tiles)
+    seg_indptr = _indptr(np.bincount(seg_tile, minlength=num_tiles))
+    # the mask starts at the tile's first segment that one of its queries does not see whole
+    whole = np.diff(np.append(starts, key.size)) == q_counts[seg_tile]
+    if starts.size:
+        whole &= np.minimum.reduceat(visible[by_key], starts) == seg_hi
+    broken = (~whole).cumsum()
+    before = np.append(0, broken)[seg_indptr[:-1]][seg_tile]  # broken segments before the tile's
+    lead = np.bincount(seg_tile, seg_hi * (broken == before), minlength=num_tiles).astype(np.int64)
+    tiles = WorkItems(seg_indptr, seg_node, np.zeros_like(seg_node), seg_hi, _indptr(q_counts), order, q_tokens,
+                      lead < item_len, lead).with_item_len(item_len)
+    if own is None or not own.any():
+        return tiles
+    nodes = node_items(tree)
+    mine = np.flatnonzero(own[nodes.seg_node])  # (node items have one segment each)
+    return concat_items(tiles, nodes.take(mine))
+
+
+def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
+    """``items`` with each masked item of a known lead (:attr:`WorkItems.mask_lead`, on a segment
+    boundary) cut in two: its lead, which every query of it sees whole (unmasked), and the rest;
+    and bool [new items]: the items that may be split into KV chunks whose queries all see them
+    (the leads and the unmasked items)."""
+    lead, masked = items.mask_lead, items.masked
+    n = items.num_items
+    cut = masked & (lead > 0)
+    base = _indptr(1 + cut)[:-1]
+    src = np.arange(n).repeat(1 + cut)
+    is_lead = np.zeros(src.size, dtype=bool)
+    is_lead[base[cut]] = True
+    is_tail = np.zeros(src.size, dtype=bool)
+    is_tail[base[cut] + 1] = True
+    nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
+    seg_item = np.arange(n).repeat(nseg)
+    seg_end = np.cumsum(items.seg_hi - items.seg_lo)
+    seg_end -= np.append(0, seg_end)[items.seg_indptr[:-1]][seg_item]  # ends within the item
+    seg_new = base[seg_item] + (cut[seg_item] & (seg_end > lead[seg_item]))
+    nq = items.item_queries[src]
+    q = ranges(items.q_indptr[src], items.q_indptr[src + 1])
+    lead_q = lead[src].repeat(nq)
+    q_tokens = items.q_tokens[q]
+    q_tokens = np.where(is_lead.repeat(nq), lead_q, np.where(is_tail.repeat(nq), q_tokens - lead_q, q_tokens))
+    length = items.item_len[src]
+    length = np.where(is_lead, lead[src], np.where(is_tail, length - lead[src], length))
+    new = WorkItems(_indptr(np.bincount(seg_new, minlength=src.size)), items.seg_node, items.seg_lo, items.seg_hi,
+                    _indptr(nq), items.q_indices[q], q_tokens, np.where(is_lead, False, masked[src]),
+                    np.where(is_lead, lead[src], np.where(is_tail, 0, lead[src]))).with_item_len(length)
+    return new, ~new.masked
+
+
+def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
+    """``[(items, note), ...]``: path tiles of each query-tile height, with every node in the
+    tiles and, where some are, with long nodes of fewer rows than a tile apart; each whole (every
+    query's output written directly) and, where the GPU would not be filled, with the tiles'
+    leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.items.spread_length`)."""
+    rows = tree.subtree_queries * heads.group
+    extent = tree.node_extent
+    out = []
+    choices = _block_m_choices(heads.group)
+    for block_m in choices:
+        if block_m < 2 * heads.group and block_m < choices[-1]:
+            continue  # a tile of one query is sequence's item
+        own = (rows < block_m) & (extent > OWN_ITEM_TOKENS)
+        for apart in ((None, own) if own.any() else (None,)):
+            tiles = path_tiles(tree, heads, block_m, apart)
+            note = f"paths: tiles of {block_m} rows" + ("" if apart is None else f", {int(apart.sum())} long nodes apart")
+            out.append((tiles, note))
+            max_len, why = spread_length(tiles, heads, cost, tile_rows=block_m)
+            if max_len is not None:
+                cut, splittable = cut_at_leads(tiles)
+                split = split_long_items(cut, np.where(splittable, max_len, np.iinfo(np.int64).max))
+                if split is not cut:
+                    out.append((split, note + why.replace("long contexts", "leads")))
+    return out
+
+
+def plan_paths(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
+    return best_variant(tree, paths_variants(tree, heads, cost), heads, cost)
+
+
+# plan_auto rates every variant with the other planners' items
+plan_paths.variants = paths_variants
