@@ -5,7 +5,7 @@ For every suite case this times, under CUDA-graph replay with side streams, ``au
 apart or not, whole or with the tiles' leads split for parallelism), checks each output against ``auto``'s, and records
 the cost model's estimate of each, for a refit.
 
-    python benchmarks/probe_paths.py [--heads 32/32,32/8,64/8] [--out FILE.json]
+    python benchmarks/probe_paths.py [--heads 32/8,64/8,32/32] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def variants(tree, heads: HeadConfig, cost: CostModel) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--heads", default="32/32,32/8,64/8")
+    ap.add_argument("--heads", default="32/8,64/8,32/32")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     res = {**provenance(), "rows": []}
@@ -42,9 +42,9 @@ def main(argv=None) -> None:
     cost = CostModel()
     others = {k: v for k, v in PLANNERS.items() if k != "paths"}
     t0 = time.time()
-    for spec in suite_trees("all"):
-        tree = tree_from_spec(spec)
-        for hq, hkv in heads_list:
+    trees = {spec: tree_from_spec(spec) for spec in suite_trees("all")}
+    for hq, hkv in heads_list:  # (heads outermost: a run cut short has whole head configs)
+        for spec, tree in trees.items():
             heads = HeadConfig(hq, hkv, HEAD_DIM, torch.float16)
             q, k, v, out = case_inputs(tree, hq, hkv)
             row = {"tree": spec, "hq": hq, "hkv": hkv,
@@ -81,6 +81,8 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
     for hq, hkv in heads_list:
         rows = [r for r in res["rows"] if (r["hq"], r["hkv"]) == (hq, hkv)]
+        if not rows:
+            continue
         gain = [r["us"]["auto"] / min(min(x for n, x in r["us"].items() if n != "auto"), r["us"]["auto"])
                 for r in rows]
         print(f"{hq}/{hkv}: min(auto, best paths) vs auto geomean "
