@@ -86,7 +86,8 @@ def extract(rows: list[dict], probe: dict | None = None, check: bool = True) -> 
                          dtype=np.float64).reshape(-1, 7)
             masked = masked or bool(item_masked.any())
             # the launch order the plan runs (decided by the default constants, like the plans)
-            tall_first = cm.tall_first([cm.program_s(int(a), int(b), int(t), heads) for a, b, t in f[:, [0, 1, 4]]])
+            tall_first = cm.tall_first([cm.program_s(int(a), int(b), int(t), heads, tall_first=True)
+                                        for a, b, t in f[:, [0, 1, 4]]])
             if check:
                 plan = build_plan(tree, items, heads, strategy=s if s in PLANNERS else "paths")
                 got = sorted((int(a), int(b), int(p)) for a, b, p in f[:, :3])
@@ -223,8 +224,7 @@ def main():
     ap.add_argument("--results", default=str(HERE / "results" / "h200_kernels.json"))
     ap.add_argument("--no-cv", action="store_true", help="skip the leave-one-tree-out cross validation")
     ap.add_argument("--hold", default="", help="comma-separated constants to keep at the CostModel() "
-                    "defaults (program_bandwidth,program_flops also decide Plan.tall_first: holding "
-                    "them keeps the measured plans)")
+                    "defaults")
     ap.add_argument("--probe", help="results of benchmarks/probe_paths.py: its paths variants join each case's "
                     "candidates")
     args = ap.parse_args()

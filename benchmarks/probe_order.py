@@ -29,14 +29,12 @@ from treeattn.workloads import suite_trees, tree_from_spec
 
 
 def longest_program_s(plan, launch, cost: CostModel) -> float:
-    """The cost model's time of the launch's longest program on its own."""
-    h = plan.heads
+    """The cost model's time of the launch's longest program on its own (at the rates of the
+    tall-first rule, which were the fitted rates when this probe ran)."""
     start = plan.host.work_kv_start[launch.work_start:launch.work_end]
     end = plan.host.work_kv_end[launch.work_start:launch.work_end]
     tiles = int(np.max(-(-(end - start) // launch.block_n)))
-    tok_bytes = h.head_dim * 2 * h.elem_bytes
-    return tiles * (launch.block_n * tok_bytes / cost.program_bandwidth
-                    + 4.0 * launch.block_m * launch.block_n * h.head_dim / cost.program_flops)
+    return cost.program_s(launch.block_m, launch.block_n, tiles, plan.heads, tall_first=True)
 
 
 def orders(plan, cost: CostModel) -> dict:

@@ -278,7 +278,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             launches.append(Launch(int(block_m[a]), block_n, w_bounds[i], w_bounds[i + 1], num_warps, num_stages,
                                    masked=masked[i], heads_inner=long_units and not multi_tile[i], mask_split=split))
             # (a launch's first item is its longest)
-            longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads))
+            longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads,
+                                            tall_first=True))
     gather_launches = tuple(launches)
     launches = split_tails(contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
                                            heads.num_kv_heads, cost.num_sms, has_mask=needs_mask),

@@ -148,25 +148,29 @@ class CostModel:
     num_sms: int = 132
     #: bytes per second the whole GPU streams from HBM
     bandwidth: float = 4.25e12
-    # -- attention kernel. Fitted by benchmarks/fit_cost_model.py on results/h200_kernels.json.
+    # -- attention kernel. Fitted by benchmarks/fit_cost_model.py on results/h200_kernels.json
+    # (every strategy's CUDA-graph latency on the 96 suite cases) and results/h200_probe_paths.json
+    # (every ``paths`` variant on the same cases); benchmarks/NOTES.md.
     #: KV bytes per second and tile FLOP/s of one program on its own (its gather loop is
     #: latency-bound; a lone program's 4 warps keep only part of the SM busy)
-    program_bandwidth: float = 34.5e9
-    program_flops: float = 1.61e12
+    program_bandwidth: float = 28.0e9
+    program_flops: float = 9.33e12
     #: SM time of one program's fixed work (index, query and output round trips)
-    program_overhead_s: float = 0.573e-6
+    program_overhead_s: float = 0.903e-6
     #: KV bytes per second one SM streams when full of programs (shared KV mostly hits L2)
-    sm_bandwidth: float = 159e9
+    sm_bandwidth: float = 51.3e9
     #: tile FLOP/s of one SM (QK^T and PV over the padded block_m x block_n tile)
-    sm_flops: float = 1.58e12
-    #: extra cost of a KV tile when the plan needs the tree mask (its loads and compares)
-    mask_cost: float = 1.22
+    sm_flops: float = 3.59e12
+    #: extra cost of a masked KV tile (the tree mask's loads and compares; a masked item's tiles
+    #: before its mask starts run unmasked, where the planner knows them: ``WorkItems.mask_lead``)
+    mask_cost: float = 0.473
     #: exponent of the soft maximum of a launch's SM time and its longest program
-    overlap_exponent: float = 59.4
-    #: one kernel launch (CUDA-graph node: ramp-up and tail) and one merge step (one partial
-    #: row on the longest query's chain, latency-bound)
-    launch_overhead_s: float = 1.91e-6
-    merge_step_s: float = 0.407e-6
+    overlap_exponent: float = 1.93
+    #: one kernel launch (CUDA-graph node: ramp-up and tail; the fit puts it at zero, the fixed
+    #: and merge terms absorbing it) and one merge step (one partial row on the longest query's
+    #: chain, latency-bound)
+    launch_overhead_s: float = 0.0
+    merge_step_s: float = 0.474e-6
     #: what a direct plan (no merge launch) saves beyond the fitted merge term, which ranks
     #: merging plans among themselves: a merge launch takes 7-14 us under graph replay even for
     #: one query (benchmarks/floor.py). On the kernel suite's timings any value in 6-10 us makes
@@ -178,12 +182,16 @@ class CostModel:
     #: tall launch queued last ran alone after the others (benchmarks/probe_order.py: 10 us
     #: separates the suite plans that gain from the few small ones that lose, NOTES.md)
     tall_first_s: float = 10e-6
+    #: the lone-program rates that rule times programs with (those the cost model had when it
+    #: was measured, session 14; the fitted ``program_*`` rates rank plans)
+    tall_first_bandwidth: float = 34.5e9
+    tall_first_flops: float = 1.61e12
     #: a plan's launches run side by side (:class:`~treeattn.TreeAttention` side streams under a
     #: CUDA graph); False where they run one after another (no side streams: the engine), where
     #: no plan runs tallest first and launches are rated one after another
     side_streams: bool = True
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
-    fixed_overhead_s: float = 6.46e-6
+    fixed_overhead_s: float = 6.13e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
     #: of the best (launches that run side by side, tallest first, count as one): closer estimates
     #: are within the model's error (rms log error ~0.15). On the kernel suite's timings
@@ -215,16 +223,20 @@ class CostModel:
         """Concurrent programs of the balance split: ``num_sms * balance_programs_per_sm``."""
         return max(1, round(self.num_sms * self.balance_programs_per_sm))
 
-    def program_s(self, block_m: int, block_n: int, kv_tiles: int, heads: HeadConfig) -> float:
-        """Seconds of one unmasked program over ``kv_tiles`` KV tiles on its own."""
+    def program_s(self, block_m: int, block_n: int, kv_tiles: int, heads: HeadConfig, *,
+                  tall_first: bool = False) -> float:
+        """Seconds of one unmasked program over ``kv_tiles`` KV tiles on its own (at the rates of
+        the tall-first rule with ``tall_first``)."""
         d = heads.head_dim
-        return kv_tiles * (block_n * d * 2 * _elem_bytes(heads) / self.program_bandwidth
-                           + 4.0 * block_m * block_n * d / self.program_flops)
+        bandwidth, flops = ((self.tall_first_bandwidth, self.tall_first_flops) if tall_first
+                            else (self.program_bandwidth, self.program_flops))
+        return kv_tiles * (block_n * d * 2 * _elem_bytes(heads) / bandwidth + 4.0 * block_m * block_n * d / flops)
 
     def tall_first(self, longest_s: list) -> bool:
-        """Whether launches whose longest programs take ``longest_s`` seconds (:meth:`program_s`) run
-        the tallest query tiles first (:attr:`Plan.tall_first`): with some program of at least
-        ``tall_first_s``, that program is the critical path and should start at once."""
+        """Whether launches whose longest programs take ``longest_s`` seconds (:meth:`program_s`
+        with ``tall_first``) run the tallest query tiles first (:attr:`Plan.tall_first`): with some
+        program of at least ``tall_first_s``, that program is the critical path and should start
+        at once."""
         return self.side_streams and len(longest_s) > 1 and max(longest_s) >= self.tall_first_s
 
     def estimate(self, item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
@@ -291,7 +303,7 @@ class CostModel:
         num_queries = rows if num_queries is None else int(num_queries)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
-        sm_times, longest_times, unmasked = [], [], []
+        sm_times, longest_times, rule = [], [], []
         for block_m, block_n, programs, work, longest, launch_masked, masked_work in launches:  # plain numbers
             if not per_item:
                 launch_masked, masked_work = masked, work * masked
@@ -299,9 +311,9 @@ class CostModel:
             tile_sm_s = block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / self.sm_flops
             work_s = (work + self.mask_cost * masked_work) * tile_sm_s
             sm_times.append((programs * self.program_overhead_s + work_s) / self.num_sms)
-            unmasked.append(self.program_s(block_m, block_n, longest, heads))
-            longest_times.append(unmasked[-1] * mask)
-        tall_first = self.tall_first(unmasked)
+            longest_times.append(self.program_s(block_m, block_n, longest, heads) * mask)
+            rule.append(self.program_s(block_m, block_n, longest, heads, tall_first=True))
+        tall_first = self.tall_first(rule)
         if tall_first:
             # the longest programs start first and run beside the other launches' programs
             attn = (sum(sm_times) ** p + max(longest_times) ** p) ** (1.0 / p)

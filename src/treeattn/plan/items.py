@@ -18,7 +18,7 @@ from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
 __all__ = ["WorkItems", "DeferredItems", "concat_items", "fair_share_length", "glued_items",
-           "group_order", "items_from_groups", "split_long_items", "spread_items", "spread_length"]
+           "group_order", "items_from_groups", "fill_length", "split_long_items", "spread_items", "spread_length"]
 
 
 @dataclass(frozen=True)
@@ -214,22 +214,31 @@ def spread_items(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple
 
 def spread_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[int | None, str]:
     """The length at which to split ``items`` for parallelism (None: none) and a note saying why:
-    when their programs (query tiles of ``tile_rows`` rows, per KV head) cannot fill the GPU
-    (``cost.target_programs``), long items are split evenly; otherwise items whose programs are
-    longer than a fair share of the work are (:func:`fair_share_length`)."""
-    item_len = items.item_len
-    used = (item_len > 0) & (items.item_queries > 0)
-    if not used.any():
-        return None, ""
-    q_tile = max(1, tile_rows // heads.group)
-    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
-    if programs < cost.target_programs:
-        per_head = max(1, cost.target_programs // heads.num_kv_heads)
-        max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
-        return max_len, f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
+    :func:`fill_length` when their programs cannot fill the GPU, else the items whose programs are
+    longer than a fair share of the work (:func:`fair_share_length`)."""
+    max_len, note = fill_length(items, heads, cost, tile_rows=tile_rows)
+    if max_len is not None or note is None:
+        return max_len, note or ""
     max_len = fair_share_length(items, group=heads.group, num_kv_heads=heads.num_kv_heads,
                                 tile_rows=BLOCK_M_CHOICES[-1], slots=cost.balance_slots, min_len=cost.min_split_tokens)
     return max_len, "" if max_len is None else f"; long contexts split at {max_len} tokens (fair share of the work)"
+
+
+def fill_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[int | None, str | None]:
+    """When the items' programs (query tiles of ``tile_rows`` rows, per KV head) cannot fill the
+    GPU (``cost.target_programs``): the length that splits them evenly into about that many, and
+    a note; else ``(None, "")``; ``(None, None)`` without items."""
+    item_len = items.item_len
+    used = (item_len > 0) & (items.item_queries > 0)
+    if not used.any():
+        return None, None
+    q_tile = max(1, tile_rows // heads.group)
+    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
+    if programs >= cost.target_programs:
+        return None, ""
+    per_head = max(1, cost.target_programs // heads.num_kv_heads)
+    max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
+    return max_len, f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
 
 
 def _made_field(name: str) -> property:

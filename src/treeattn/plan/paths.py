@@ -18,7 +18,7 @@ import numpy as np
 
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, _indptr, concat_items, split_long_items, spread_length
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, concat_items, fill_length, split_long_items
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
 from treeattn.topology import ranges
@@ -80,11 +80,71 @@ def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray
     return concat_items(tiles, nodes.take(mine))
 
 
+def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None
+                        ) -> WorkItems:
+    """:func:`path_tiles`, its segments made when first read: when every query sees each node of
+    its path whole, the lengths, leads and queries the cost model reads come from each node's
+    range of queries (depth-first, a subtree's queries are consecutive) without listing the
+    (tile, node) pairs."""
+    eff_node, eff_prefix = tree.effective_queries
+    if not np.array_equal(eff_prefix, tree.lengths[eff_node]):
+        return path_tiles(tree, heads, rows, own)
+    nq = tree.num_queries
+    per_tile = max(1, rows // heads.group)
+    num_tiles = -(-nq // per_tile)
+    order, seen, lo, hi = _query_ranges(tree)
+    node = seen if own is None else seen[~own[seen]]
+    length, lo, hi = tree.lengths[node], lo[node], hi[node]
+    # a node is in tiles lo // per_tile ..= (hi - 1) // per_tile, and in the lead of those it covers
+    # whole: the common ancestors of a tile's queries come first in pre-order
+    first, last = lo // per_tile, (hi - 1) // per_tile
+    item_len = np.cumsum(np.bincount(first, length, num_tiles + 1) - np.bincount(last + 1, length, num_tiles + 1))
+    start, end = -(-lo // per_tile), np.where(hi == nq, num_tiles, hi // per_tile)
+    cover = end > start
+    lead = np.cumsum(np.bincount(start[cover], length[cover], num_tiles + 1)
+                     - np.bincount(end[cover], length[cover], num_tiles + 1))
+    item_len, lead = item_len[:-1].astype(np.int64), lead[:-1].astype(np.int64)
+    q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
+    q_counts[-1] = nq - (num_tiles - 1) * per_tile
+    q_item = np.empty(nq, dtype=np.int64)
+    q_item[order] = np.arange(nq) // per_tile
+    q_query = np.arange(nq)
+    masked = lead < item_len
+    if own is not None and own.any():
+        nodes = node_items(tree)
+        mine = nodes.take(np.flatnonzero(own[nodes.seg_node]))
+        seen = np.add.reduceat(mine.q_tokens, mine.q_indptr[:-1]) if mine.num_items else np.zeros(0, np.int64)
+        q_item = np.concatenate((q_item, num_tiles + np.arange(mine.num_items).repeat(mine.item_queries)))
+        q_query = np.concatenate((q_query, mine.q_indices))
+        item_len = np.concatenate((item_len, mine.item_len))
+        q_counts = np.concatenate((q_counts, mine.item_queries))
+        masked = np.concatenate((masked, seen < mine.item_len * mine.item_queries))
+        lead = np.concatenate((lead, np.full(mine.num_items, -1, dtype=np.int64)))
+    items = DeferredItems(item_len, q_counts, lambda: path_tiles(tree, heads, rows, own), q_item, q_query)
+    items.__dict__.update(masked=masked, mask_lead=lead)
+    return items
+
+
+def _query_ranges(tree: DecodingTree) -> tuple:
+    """``(order, nodes, lo, hi)``: the queries in depth-first order (by their effective node's
+    pre-order number; stable), the nodes with tokens that some query sees, and for each node the
+    ranks ``lo..hi-1`` in that order of the queries of its subtree (made once per tree)."""
+    got = tree.derived.get("paths_query_ranges")
+    if got is None:
+        topo = tree.topology
+        q_tin = topo.tin[tree.effective_queries[0]]
+        order = np.argsort(q_tin, kind="stable")
+        sorted_tin = q_tin[order]
+        lo, hi = np.searchsorted(sorted_tin, topo.tin), np.searchsorted(sorted_tin, topo.tout)
+        got = tree.derived["paths_query_ranges"] = (order, np.flatnonzero((hi > lo) & (tree.lengths > 0)), lo, hi)
+    return got
+
+
 def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
     """``items`` with each masked item of a known lead (:attr:`WorkItems.mask_lead`, on a segment
     boundary) cut in two: its lead, which every query of it sees whole (unmasked), and the rest;
     and bool [new items]: the items that may be split into KV chunks whose queries all see them
-    (the leads and the unmasked items)."""
+    (the leads and the unmasked items). The segments are made when first read."""
     lead, masked = items.mask_lead, items.masked
     n = items.num_items
     cut = masked & (lead > 0)
@@ -94,29 +154,41 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
     is_lead[base[cut]] = True
     is_tail = np.zeros(src.size, dtype=bool)
     is_tail[base[cut] + 1] = True
-    nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
-    seg_item = np.arange(n).repeat(nseg)
-    seg_end = np.cumsum(items.seg_hi - items.seg_lo)
-    seg_end -= np.append(0, seg_end)[items.seg_indptr[:-1]][seg_item]  # ends within the item
-    seg_new = base[seg_item] + (cut[seg_item] & (seg_end > lead[seg_item]))
-    nq = items.item_queries[src]
-    q = ranges(items.q_indptr[src], items.q_indptr[src + 1])
-    lead_q = lead[src].repeat(nq)
-    q_tokens = items.q_tokens[q]
-    q_tokens = np.where(is_lead.repeat(nq), lead_q, np.where(is_tail.repeat(nq), q_tokens - lead_q, q_tokens))
     length = items.item_len[src]
     length = np.where(is_lead, lead[src], np.where(is_tail, length - lead[src], length))
-    new = WorkItems(_indptr(np.bincount(seg_new, minlength=src.size)), items.seg_node, items.seg_lo, items.seg_hi,
-                    _indptr(nq), items.q_indices[q], q_tokens, np.where(is_lead, False, masked[src]),
-                    np.where(is_lead, lead[src], np.where(is_tail, 0, lead[src]))).with_item_len(length)
-    return new, ~new.masked
+    nq = items.item_queries[src]
+    new_lead = np.where(is_lead, lead[src], np.where(is_tail, 0, lead[src]))
+    new_masked = np.where(is_lead, False, masked[src])
+
+    def make() -> WorkItems:
+        nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
+        seg_item = np.arange(n).repeat(nseg)
+        seg_end = np.cumsum(items.seg_hi - items.seg_lo)
+        seg_end -= np.append(0, seg_end)[items.seg_indptr[:-1]][seg_item]  # ends within the item
+        seg_new = base[seg_item] + (cut[seg_item] & (seg_end > lead[seg_item]))
+        q = ranges(items.q_indptr[src], items.q_indptr[src + 1])
+        lead_q = lead[src].repeat(nq)
+        q_tokens = items.q_tokens[q]
+        q_tokens = np.where(is_lead.repeat(nq), lead_q, np.where(is_tail.repeat(nq), q_tokens - lead_q, q_tokens))
+        return WorkItems(_indptr(np.bincount(seg_new, minlength=src.size)), items.seg_node, items.seg_lo,
+                         items.seg_hi, _indptr(nq), items.q_indices[q], q_tokens, new_masked, new_lead)
+
+    # (item, query) pairs: each source pair in its item's part(s)
+    q_item, q_query = items.pairs()
+    twice = cut[q_item]
+    new_q_item = np.concatenate((base[q_item], base[q_item[twice]] + 1))
+    new_q_query = np.concatenate((q_query, q_query[twice]))
+    new = DeferredItems(length, nq, make, new_q_item, new_q_query)
+    new.__dict__.update(masked=new_masked, mask_lead=new_lead)
+    return new, ~new_masked
 
 
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
     """``[(items, note), ...]``: path tiles of each query-tile height, with every node in the
     tiles and, where some are, with long nodes of fewer rows than a tile apart; each whole (every
-    query's output written directly) and, where the GPU would not be filled, with the tiles'
-    leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.items.spread_length`)."""
+    query's output written directly) and, where their programs would not fill the GPU, with the
+    tiles' leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.items.fill_length`;
+    on the kernel suite the split variants were the fastest on small trees only)."""
     rows = tree.subtree_queries * heads.group
     extent = tree.node_extent
     out = []
@@ -126,10 +198,10 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
             continue  # a tile of one query is sequence's item
         own = (rows < block_m) & (extent > OWN_ITEM_TOKENS)
         for apart in ((None, own) if own.any() else (None,)):
-            tiles = path_tiles(tree, heads, block_m, apart)
+            tiles = deferred_path_tiles(tree, heads, block_m, apart)
             note = f"paths: tiles of {block_m} rows" + ("" if apart is None else f", {int(apart.sum())} long nodes apart")
             out.append((tiles, note))
-            max_len, why = spread_length(tiles, heads, cost, tile_rows=block_m)
+            max_len, why = fill_length(tiles, heads, cost, tile_rows=block_m)
             if max_len is not None:
                 cut, splittable = cut_at_leads(tiles)
                 split = split_long_items(cut, np.where(splittable, max_len, np.iinfo(np.int64).max))
