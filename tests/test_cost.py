@@ -128,9 +128,11 @@ def test_auto_avoids_clearly_slower_strategies():
     tree = tree_from_spec("1,1024_2048,32")
     name, *_ = plan_auto(tree, HeadConfig(32, 32, 128), CostModel(), PLANNERS)
     assert name in ("node", "greedy")
-    # deep tree with short leaves and 32/8 heads: greedy measured 1.46x faster than flatten
+    # deep tree with short leaves and 32/8 heads: greedy measured 1.46x faster than flatten, and
+    # paths' 64-row tiles 1.19x faster than greedy (results/h200_probe_paths.json)
     tree = tree_from_spec("1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
-    assert plan_auto(tree, H200_HEADS, CostModel(), PLANNERS)[0] == "greedy"
+    name, _, reason, _ = plan_auto(tree, H200_HEADS, CostModel(), PLANNERS)
+    assert name == "paths" and "tiles of 64 rows" in reason
 
 
 def test_auto_prefers_fewer_kernels_among_close_estimates():
@@ -151,11 +153,12 @@ def test_auto_prefers_fewer_kernels_among_close_estimates():
     assert any(e["tall_first"] and e["launches"] > 1 for e in est.values())  # (the second tree)
 
 
-def test_auto_takes_the_unsplit_sequence_plan_of_short_paths():
+def test_auto_rates_the_unsplit_sequence_plan_of_short_paths():
     """``auto`` rates each query's whole path as one item (one launch, no merge) when paths are at
-    most 2 x min_split_tokens: on 1,2,64_8,256,32 at 32/8 (296-token paths) it wins (measured on an
-    H200: 21.2 against 26.1 us for the split plans' best; benchmarks/probe_direct.py), and the
-    plan writes every output directly. ``sequence`` itself keeps Flash-Decoding's split."""
+    most 2 x min_split_tokens: on 1,2,64_8,256,32 at 32/8 (296-token paths) it was measured on an
+    H200 at 21.2 against 26.1 us for the split plans' best (benchmarks/probe_direct.py; ``paths``
+    now takes 20.7 us), and the plan writes every output directly. ``sequence`` itself keeps
+    Flash-Decoding's split."""
     from treeattn.plan.sequence import sequence_variants
 
     tree = tree_from_spec("1,2,64_8,256,32")
@@ -163,13 +166,12 @@ def test_auto_takes_the_unsplit_sequence_plan_of_short_paths():
     (split, _), (whole, note) = sequence_variants(tree, H200_HEADS, cost)
     assert whole.num_items == tree.num_queries and "no KV split" in note
     assert split.num_items > tree.num_queries
-    plan = make_plan(tree, H200_HEADS, strategy="auto", cost=cost)
-    assert plan.strategy == "sequence" and "no KV split" in plan.reason
+    est_split, est_whole = (estimate_items(tree, it, H200_HEADS, cost)["total"] for it in (split, whole))
+    assert est_whole < est_split
+    assert dict(plan_auto(tree, H200_HEADS, cost, PLANNERS)[3])["sequence"] == est_whole
+    plan = build_plan(tree, whole, H200_HEADS, strategy="sequence", cost=cost)
     assert plan.num_direct == tree.num_queries and plan.merge_q_indices.numel() == 0
     assert make_plan(tree, H200_HEADS, strategy="sequence").num_rows == split.item_queries.sum()
-    # no direct saving: the model's merge term alone rates the split plans faster
-    assert "no KV split" not in make_plan(tree, H200_HEADS, strategy="auto",
-                                          cost=CostModel(direct_saving_s=0.0)).reason
     # paths longer than 2 x min_split_tokens keep the split only (slow lone programs)
     assert len(sequence_variants(tree_from_medusa(32, context_len=1000), H200_HEADS, cost)) == 1
     assert len(sequence_variants(tree, H200_HEADS, CostModel(min_split_tokens=128))) == 1

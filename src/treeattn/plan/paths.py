@@ -24,6 +24,11 @@ from treeattn.plan.plan import HeadConfig, _block_m_choices
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
+#: 16-row path tiles only for GQA groups of this size or more (at most 4 queries a tile): on the
+#: kernel suite they were the fastest plan of the smallest trees at 32/8 and 64/8, while at 32/32
+#: the cost model rated them best on deep trees where they ran up to 12% slower than 32-row tiles
+#: (results/h200_probe_paths.json, h200_kernels.json at abd268c)
+SHORT_TILE_MIN_GROUP = 4
 #: a node with fewer rows than the query tile stays an item of its own beyond this many tokens
 #: (in the variants that keep such nodes apart)
 OWN_ITEM_TOKENS = 64
@@ -184,7 +189,8 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
 
 
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
-    """``[(items, note), ...]``: path tiles of each query-tile height, with every node in the
+    """``[(items, note), ...]``: path tiles of each query-tile height (16 rows only from
+    :data:`SHORT_TILE_MIN_GROUP`), with every node in the
     tiles and, where some are, with long nodes of fewer rows than a tile apart; each whole (every
     query's output written directly) and, where their programs would not fill the GPU, with the
     tiles' leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.items.fill_length`;
@@ -193,9 +199,7 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
     extent = tree.node_extent
     out = []
     choices = _block_m_choices(heads.group)
-    for block_m in choices:
-        if block_m < 2 * heads.group and block_m < choices[-1]:
-            continue  # a tile of one query is sequence's item
+    for block_m in [m for m in choices if m >= 32 or heads.group >= SHORT_TILE_MIN_GROUP] or choices[-1:]:
         own = (rows < block_m) & (extent > OWN_ITEM_TOKENS)
         for apart in ((None, own) if own.any() else (None,)):
             tiles = deferred_path_tiles(tree, heads, block_m, apart)
