@@ -19,7 +19,8 @@ from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, make_plan
 from treeattn.plan.build import build_plan
 from treeattn.plan.greedy import _assign_edges
-from treeattn.plan.items import glued_items, split_long_items
+from treeattn.plan.items import glued_items
+from treeattn.plan.split import split_long_items
 from treeattn.workloads import tree_from_spec
 
 TREES = ("1,20_4000,50", "1,20_4000,200", "1,20_4000,400", "1,30_4000,200", "1,50_4000,200")

@@ -22,9 +22,9 @@ import torch
 
 from treeattn import TreeAttention
 from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
-from treeattn.plan import CostModel, HeadConfig, PLANNERS, make_plan
+from treeattn.plan import PLANNERS, CostModel, HeadConfig, make_plan
 from treeattn.plan.build import build_plan
-from treeattn.plan.items import split_long_items
+from treeattn.plan.split import split_long_items
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
 #: (name, tree factory, hq, hkv, dtype)

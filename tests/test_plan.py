@@ -3,15 +3,15 @@ each strategy's promise, plans are deterministic and leave their inputs alone.""
 import numpy as np
 import pytest
 import torch
+from helpers import expected_coverage, forests, planned_coverage, random_tree
 from hypothesis import given
 
-from helpers import expected_coverage, forests, planned_coverage, random_tree
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
 from treeattn.plan.build import _pair_visibility
 from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
-from treeattn.plan.items import split_long_items
 from treeattn.plan.node import node_items
+from treeattn.plan.split import split_long_items
 from treeattn.reference import visibility_mask
 from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
 

@@ -2,11 +2,12 @@
 import numpy as np
 import pytest
 import torch
-
 from helpers import random_tree
+
 from treeattn import HeadConfig
 from treeattn.plan import PLANNERS, CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups, split_long_items
+from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups
+from treeattn.plan.split import split_long_items
 from treeattn.topology import ranges
 
 

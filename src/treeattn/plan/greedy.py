@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, glued_items, spread_items
+from treeattn.plan.items import WorkItems, glued_items
 from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
+from treeattn.plan.split import spread_items
 from treeattn.tree import DecodingTree
 
 

@@ -13,12 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeattn.plan.plan import BLOCK_M_CHOICES
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "DeferredItems", "concat_items", "fair_share_length", "glued_items",
-           "group_order", "items_from_groups", "fill_length", "split_long_items", "spread_items", "spread_length"]
+__all__ = ["WorkItems", "DeferredItems", "concat_items", "glued_items", "group_order", "items_from_groups"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class WorkItems:
         Queries of each item.
     q_tokens : [nnz] or None
         Tokens of its item that each query sees, when the planner knows them cheaply (else the
-        plan builder computes them from the tree); :func:`split_long_items` keeps them when every
+        plan builder computes them from the tree); :func:`~treeattn.plan.split.split_long_items` keeps them when every
         query sees its items whole.
     masked : bool [num_items] or None
         Items some query sees only part of, when the planner knows (leaf packing); None: the cost
@@ -163,23 +161,6 @@ def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_i
                      _indptr(np.bincount(q_item, minlength=num_items)), q_query, q_tokens)
 
 
-def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int = 16) -> WorkItems:
-    """Split every item longer than ``max_len`` (scalar or per item) into equal chunks of at most
-    ``max_len`` tokens (rounded up to ``align``), each with all the item's queries: Flash-Decoding's
-    KV split, PAT's long-KV split and FastTree's long-context splitting.
-
-    The chunks' segments and queries are made when first read (:class:`_SplitItems`)."""
-    length = items.item_len
-    max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
-    if not (length > max_len).any():
-        return items
-    chunks = np.maximum(1, -(-length // max_len))
-    chunk_len = -(-length // chunks)
-    chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
-    chunks = np.maximum(1, -(-length // chunk_len))
-    return _SplitItems(items, chunks, chunk_len)
-
-
 def concat_items(first: WorkItems, second: WorkItems) -> WorkItems:
     """The items of ``first``, then those of ``second``; ``masked`` flags where both have them or
     their ``q_tokens``."""
@@ -204,41 +185,6 @@ def concat_items(first: WorkItems, second: WorkItems) -> WorkItems:
         None if any(a is None for a in masked) else np.concatenate(masked),
         None if first.mask_lead is None and second.mask_lead is None else np.concatenate(lead),
     ).with_item_len(np.concatenate((first.item_len, second.item_len)))
-
-
-def spread_items(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[WorkItems, str]:
-    """``items`` split for parallelism at :func:`spread_length`, and its note."""
-    max_len, note = spread_length(items, heads, cost, tile_rows=tile_rows)
-    return (items if max_len is None else split_long_items(items, max_len)), note
-
-
-def spread_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[int | None, str]:
-    """The length at which to split ``items`` for parallelism (None: none) and a note saying why:
-    :func:`fill_length` when their programs cannot fill the GPU, else the items whose programs are
-    longer than a fair share of the work (:func:`fair_share_length`)."""
-    max_len, note = fill_length(items, heads, cost, tile_rows=tile_rows)
-    if max_len is not None or note is None:
-        return max_len, note or ""
-    max_len = fair_share_length(items, group=heads.group, num_kv_heads=heads.num_kv_heads,
-                                tile_rows=BLOCK_M_CHOICES[-1], slots=cost.balance_slots, min_len=cost.min_split_tokens)
-    return max_len, "" if max_len is None else f"; long contexts split at {max_len} tokens (fair share of the work)"
-
-
-def fill_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[int | None, str | None]:
-    """When the items' programs (query tiles of ``tile_rows`` rows, per KV head) cannot fill the
-    GPU (``cost.target_programs``): the length that splits them evenly into about that many, and
-    a note; else ``(None, "")``; ``(None, None)`` without items."""
-    item_len = items.item_len
-    used = (item_len > 0) & (items.item_queries > 0)
-    if not used.any():
-        return None, None
-    q_tile = max(1, tile_rows // heads.group)
-    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
-    if programs >= cost.target_programs:
-        return None, ""
-    per_head = max(1, cost.target_programs // heads.num_kv_heads)
-    max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
-    return max_len, f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
 
 
 def _made_field(name: str) -> property:
@@ -287,93 +233,6 @@ class DeferredItems(WorkItems):
     def made(self) -> WorkItems:
         """The items as plain :class:`WorkItems`."""
         return self._make().with_item_len(self.item_len)
-
-
-class _SplitItems(DeferredItems):
-    """:func:`split_long_items`'s result: ``chunks[i]`` chunks of ``chunk_len[i]`` tokens for item
-    ``i`` of ``source`` (the last one shorter)."""
-
-    def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
-        n = source.num_items
-        base = _indptr(chunks)
-        chunk_item = np.arange(n).repeat(chunks)
-        cl = chunk_len[chunk_item]
-        super().__init__(
-            np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl),
-            source.item_queries[chunk_item], self._split)
-        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
-                             chunk_base=base)
-        if source.mask_lead is not None and source.masked is not None:
-            # a chunk's lead is the part of its item's lead that falls in it
-            offset = (np.arange(int(base[-1])) - base[chunk_item]) * cl
-            lead = np.clip(source.mask_lead[chunk_item] - offset, 0, self.item_len)
-            masked = source.masked[chunk_item] & (lead < self.item_len)
-            self.__dict__.update(masked=masked, mask_lead=np.where(source.mask_lead[chunk_item] < 0, -1, lead))
-
-    def merge_rows_max(self, used: np.ndarray) -> int:
-        # each query of a source item is in that item's used chunks: no need to make the chunks'
-        # query lists
-        rows = self.query_weights(used)
-        return int(rows.max()) if rows.size else 0
-
-    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
-        src = self.source
-        return src.query_weights(np.bincount(self.chunk_item, per_item, minlength=src.num_items))
-
-    def _split(self) -> WorkItems:
-        items, chunk_len, chunk_item, new_item_base = self.source, self.chunk_len, self.chunk_item, self.chunk_base
-        n = items.num_items
-        num_new = int(new_item_base[-1])
-        # every non-empty segment is cut at the chunk boundaries it crosses (item-local positions)
-        seg_len = items.seg_hi - items.seg_lo
-        seg_item = np.arange(n).repeat(items.seg_indptr[1:] - items.seg_indptr[:-1])
-        csum = _indptr(seg_len)
-        seg_start = csum[:-1] - csum[items.seg_indptr[:-1]][seg_item]
-        live = np.flatnonzero(seg_len > 0)
-        cl = chunk_len[seg_item[live]]
-        start0, len0 = seg_start[live], seg_len[live]
-        c0 = start0 // cl
-        pieces = (start0 + len0 - 1) // cl - c0 + 1
-        piece_seg = live.repeat(pieces)
-        piece_chunk = ranges(c0, c0 + pieces)
-        piece_cl = cl.repeat(pieces)
-        offset = seg_start[piece_seg]
-        start = np.maximum(piece_chunk * piece_cl, offset)
-        end = np.minimum(piece_chunk * piece_cl + piece_cl, offset + seg_len[piece_seg])
-        piece_lo = items.seg_lo[piece_seg] + (start - offset)
-        piece_new_item = new_item_base[seg_item[piece_seg]] + piece_chunk
-        q_cnt = self.item_queries
-        q_new = items.q_indices[ranges(items.q_indptr[chunk_item], items.q_indptr[chunk_item + 1])]
-        q_tokens = None
-        if items.q_tokens is not None and np.array_equal(items.q_tokens,
-                                                         items.item_len.repeat(items.item_queries)):
-            q_tokens = self.item_len.repeat(q_cnt)  # queries that saw their items whole see every chunk whole
-        # pieces go item by item, chunk by chunk, and the chunks' queries keep their item's order:
-        # already grouped by new item
-        return WorkItems(_indptr(np.bincount(piece_new_item, minlength=num_new)), items.seg_node[piece_seg],
-                         piece_lo, piece_lo + (end - start), _indptr(q_cnt), q_new, q_tokens)
-
-
-def fair_share_length(items: WorkItems, *, group: int, num_kv_heads: int, tile_rows: int, slots: int,
-                      min_len: int) -> int | None:
-    """The length at which to split the items whose programs are longer than a fair share of the
-    work (PAT's long-KV split, by work rather than by token count); None when no item is longer.
-
-    A program is one query tile (``tile_rows`` rows of queries x GQA ``group``) of an item for one
-    KV head, and walks the item's tokens. When few programs hold most of the work (many queries
-    verifying a token tree over one long context: a handful of tall tiles, thousands of tiny
-    ones) they run on a few SMs while the rest idle, whatever the program count. The fair share
-    is the total work (tokens walked by all programs) over ``slots`` concurrent programs; items
-    longer than it (and than ``min_len``) are to be split into chunks of about that length.
-    """
-    length, nq = items.item_len, items.item_queries
-    used = (length > 0) & (nq > 0)
-    if not used.any():
-        return None
-    tiles = -(-(nq[used] * group) // tile_rows)
-    share = -(-int(tiles @ length[used]) * num_kv_heads // max(1, slots))
-    max_len = max(share, min_len)
-    return None if int(length[used].max()) <= max_len else max_len
 
 
 def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = None) -> WorkItems:

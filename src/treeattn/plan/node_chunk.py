@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, split_long_items
+from treeattn.plan.items import WorkItems
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig
+from treeattn.plan.split import split_long_items
 from treeattn.tree import DecodingTree
 
 

@@ -18,9 +18,10 @@ import numpy as np
 
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, _indptr, concat_items, fill_length, split_long_items
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, concat_items
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
+from treeattn.plan.split import fill_length, split_long_items
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
@@ -193,7 +194,7 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
     :data:`SHORT_TILE_MIN_GROUP`), with every node in the
     tiles and, where some are, with long nodes of fewer rows than a tile apart; each whole (every
     query's output written directly) and, where their programs would not fill the GPU, with the
-    tiles' leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.items.fill_length`;
+    tiles' leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.split.fill_length`;
     on the kernel suite the split variants were the fastest on small trees only)."""
     rows = tree.subtree_queries * heads.group
     extent = tree.node_extent

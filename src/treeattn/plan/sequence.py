@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups, split_long_items
+from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups
 from treeattn.plan.plan import HeadConfig
+from treeattn.plan.split import split_long_items
 from treeattn.tree import DecodingTree
 
 
