@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from hypothesis import strategies as st
 
-from treeattn import DecodingTree
+from treeattn import DecodingTree, KVPool
 from treeattn.plan import Plan
 from treeattn.reference import visibility_mask
 from treeattn.topology import ranges
@@ -120,3 +120,18 @@ def spawn_ranks(worker, world: int, args: tuple, out_dir, *, timeout: float) -> 
                     p.kill()
             pytest.fail(f"job with {world} ranks ({worker.__name__}) timed out")
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+
+
+def paged_copy(tree, k, v, page_size, rng):
+    """Scatter contiguous K/V into a shuffled paged pool; returns (tree over the pool, k, v caches)."""
+    pool = KVPool(num_pages=tree.num_tokens // page_size + tree.num_nodes + 4, page_size=page_size,
+                  num_kv_heads=k.shape[1], head_dim=k.shape[2], dtype=k.dtype)
+    n_slots = pool.num_slots
+    slots = rng.permutation(n_slots)[: tree.num_tokens]
+    kc, vc = pool.k_cache(0), pool.v_cache(0)
+    kc.view(-1, *k.shape[1:])[torch.as_tensor(slots)] = k
+    vc.view(-1, *v.shape[1:])[torch.as_tensor(slots)] = v
+    paged = type(tree).from_parents(tree.parents, tree.lengths, query_nodes=tree.query_nodes,
+                                    query_prefix=tree.query_prefix, kv_indices=slots,
+                                    page_size=page_size, num_slots=n_slots)
+    return paged, kc, vc

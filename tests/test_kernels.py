@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import TOL, forests, random_tree, rel_l2
-from treeattn import STRATEGIES, KVPool, TreeAttention, reference_attention
+from helpers import TOL, forests, paged_copy, random_tree, rel_l2
+from treeattn import STRATEGIES, TreeAttention, reference_attention
 from treeattn.plan import CostModel
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
@@ -48,21 +48,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
-
-
-def paged_copy(tree, k, v, page_size, rng):
-    """Scatter contiguous K/V into a shuffled paged pool; returns (tree over the pool, k, v caches)."""
-    pool = KVPool(num_pages=tree.num_tokens // page_size + tree.num_nodes + 4, page_size=page_size,
-                  num_kv_heads=k.shape[1], head_dim=k.shape[2], dtype=k.dtype)
-    n_slots = pool.num_slots
-    slots = rng.permutation(n_slots)[: tree.num_tokens]
-    kc, vc = pool.k_cache(0), pool.v_cache(0)
-    kc.view(-1, *k.shape[1:])[torch.as_tensor(slots)] = k
-    vc.view(-1, *v.shape[1:])[torch.as_tensor(slots)] = v
-    paged = type(tree).from_parents(tree.parents, tree.lengths, query_nodes=tree.query_nodes,
-                                    query_prefix=tree.query_prefix, kv_indices=slots,
-                                    page_size=page_size, num_slots=n_slots)
-    return paged, kc, vc
 
 
 @pytest.mark.parametrize("strategy,tree_name,dtype,heads,head_dim,page_size", _cases())
@@ -147,7 +132,6 @@ def test_torch_backend_random_forests(strategy, tree, page_size, seed):
     w = TreeAttention(backend="torch")
     plan = w.plan(paged, num_qo_heads=2, num_kv_heads=2, head_dim=16, dtype=torch.float64, strategy=strategy)
     assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-10
-
 
 
 def test_precompile_launches_every_variant():

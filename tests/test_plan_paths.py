@@ -1,0 +1,112 @@
+"""``paths`` (plan/paths.py): query tiles reading the union of their queries' paths. Every variant
+covers each query's visible tokens exactly once, the sizes the cost model reads without making the
+segments equal the made ones, the mask lead is the builder's mask start, and the kernels (the
+interpreter on CPU) match a float64 reference for whole, split and apart variants."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import expected_coverage, paged_copy, planned_coverage, random_tree, rel_l2
+from treeattn import TreeAttention, reference_attention
+from treeattn.plan import CostModel, HeadConfig, build_plan
+from treeattn.plan.auto import estimate_items
+from treeattn.plan.paths import OWN_ITEM_TOKENS, cut_at_leads, deferred_path_tiles, path_tiles, paths_variants
+from treeattn.workloads import tree_from_medusa, tree_from_spec
+
+HEADS = (HeadConfig(8, 8, 64, torch.float16), HeadConfig(8, 2, 64, torch.float16), HeadConfig(16, 2, 64, torch.float16))
+
+
+def trees(rng):
+    return [tree_from_spec("1,2,4,8,32_40,16,8,8,4"), tree_from_spec("2,8,16_24,12,5"),
+            tree_from_spec("1,4,16_300,9,70"), tree_from_medusa(32, context_len=45),
+            random_tree(rng, 40, 30, roots=2), random_tree(rng, 30, 20, roots=1, inner_queries=True)]
+
+
+def _apart(tree, heads, rows):
+    return (tree.subtree_queries * heads.group < rows) & (tree.node_extent > OWN_ITEM_TOKENS)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h.num_qo_heads}/{h.num_kv_heads}")
+def test_every_variant_covers_each_visible_token_once(rng, heads):
+    for tree in trees(rng):
+        want = expected_coverage(tree)
+        for items, note in paths_variants(tree, heads, CostModel()):
+            got = planned_coverage(tree, build_plan(tree, items, heads, strategy="paths"))
+            assert all(np.array_equal(a, b) for a, b in zip(got, want)), note
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64, 128])
+def test_deferred_sizes_equal_the_made_tiles(rng, rows):
+    """What the cost model reads (lengths, queries, mask flags and leads, merge rows, per-query
+    weights) is the same without the segments, and after cutting the tiles at their leads."""
+    heads = HeadConfig(16, 2, 64)
+    for tree in trees(rng):
+        for own in (None, _apart(tree, heads, rows)):
+            made = path_tiles(tree, heads, rows, own)
+            cut = cut_at_leads(made)[0]
+            for fast, exact in ((deferred_path_tiles(tree, heads, rows, own), made), (cut, cut.made)):
+                for field in ("item_len", "item_queries"):
+                    assert np.array_equal(getattr(fast, field), getattr(exact, field)), field
+                used = np.ones(fast.num_items, dtype=bool)
+                assert fast.merge_rows_max(used) == exact.merge_rows_max(used)
+                weights = np.arange(fast.num_items, dtype=np.float64)
+                assert np.array_equal(fast.query_weights(weights), exact.query_weights(weights))
+            fast = deferred_path_tiles(tree, heads, rows, own)
+            assert np.array_equal(fast.masked, made.masked) and np.array_equal(fast.mask_lead, made.mask_lead)
+
+
+def test_mask_lead_is_the_builders_mask_start():
+    heads = HeadConfig(16, 2, 64)
+    tree = tree_from_spec("1,2,4,8,32_40,16,8,8,4")
+    for rows in (32, 64, 128):
+        items = path_tiles(tree, heads, rows)
+        host = build_plan(tree, items, heads, strategy="paths").host
+        lead = np.minimum(host.work_mask_start, host.work_kv_end) - host.work_kv_start
+        assert np.array_equal(np.sort(lead), np.sort(items.mask_lead))
+
+
+def test_the_cost_model_runs_a_masked_items_lead_unmasked():
+    """Masked tiles are counted from an item's mask lead: the estimate falls as the lead grows,
+    and an unknown lead (-1) counts every tile of the item masked, as before."""
+    heads = HeadConfig(16, 2, 64)
+    tree = tree_from_spec("1,2,4,8,32_40,16,8,8,4")
+    items = path_tiles(tree, heads, 64)
+    assert items.masked.any() and (items.mask_lead > 0).any()
+    est = [estimate_items(tree, dataclasses.replace(items, mask_lead=lead), heads, CostModel())["total"]
+           for lead in (np.zeros_like(items.mask_lead), items.mask_lead, np.full_like(items.mask_lead, -1))]
+    assert est[1] < est[0] == est[2]
+
+
+def test_deep_gqa_trees_read_each_query_once():
+    """A deep 1024-leaf tree at 64/8: one row per query, written directly (no merge), and the query
+    and partial traffic of ``node``'s plan gone."""
+    tree = tree_from_spec("1,8,16,32,64,256,1024_256,128,64,16,16,16,16")
+    heads = HeadConfig(64, 8, 128)
+    whole = [items for items, note in paths_variants(tree, heads, CostModel()) if note == "paths: tiles of 64 rows"]
+    plan = build_plan(tree, whole[0], heads, strategy="paths")
+    assert plan.num_direct == tree.num_queries and plan.merge_q_indices.numel() == 0
+    assert plan.io.partial_write == plan.io.partial_read == 0
+    assert plan.io.queries == tree.num_queries * heads.num_qo_heads * heads.head_dim * 2
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_variants_match_float64_reference(rng, device, hq, hkv):
+    """Whole tiles, tiles with long nodes apart and tiles whose leads are split into KV chunks run
+    in the Triton kernels and match a float64 reference."""
+    tree = tree_from_spec("1,4,16_300,9,70")
+    d = 16
+    q = torch.randn(tree.num_queries, hq, d)
+    k = torch.randn(tree.num_tokens, hkv, d)
+    v = torch.randn(tree.num_tokens, hkv, d)
+    paged, kc, vc = paged_copy(tree, k, v, 4, rng)
+    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    heads = HeadConfig(hq, hkv, d, torch.float32)
+    notes = set()
+    for items, note in paths_variants(paged, heads, CostModel()):
+        plan = build_plan(paged, items, heads, strategy="paths", device=device)
+        w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device=device), device=device, backend="triton")
+        assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4, note
+        notes.add(("apart" in note, "split" in note))
+    assert {(False, False), (True, False), (False, True)} <= notes
