@@ -41,11 +41,12 @@ STRATEGIES = tuple(s for s in PLANNERS if s != "paths")
 HEAD_DIM = 128
 #: fitted constants of CostModel, in this order
 PARAMS = ("program_bandwidth", "program_flops", "program_overhead_s", "sm_bandwidth", "sm_flops",
-          "mask_cost", "overlap_exponent", "launch_overhead_s", "merge_step_s", "fixed_overhead_s")
+          "sm_flops_small", "mask_cost", "overlap_exponent", "launch_overhead_s", "merge_step_s", "fixed_overhead_s")
 #: a physically plausible start: ~10 GB/s and ~1 TFLOP/s per lone program, ~100 GB/s and
 #: ~2 TFLOP/s per full SM, a few microseconds per launch, half a microsecond per merge step
 START = {"program_bandwidth": 10e9, "program_flops": 1e12, "program_overhead_s": 1e-6,
-         "sm_bandwidth": 100e9, "sm_flops": 2e12, "mask_cost": 0.2, "overlap_exponent": 4.0,
+         "sm_bandwidth": 100e9, "sm_flops": 2e12, "sm_flops_small": 2e12, "mask_cost": 0.2,
+         "overlap_exponent": 4.0,
          "launch_overhead_s": 3e-6, "merge_step_s": 0.5e-6, "fixed_overhead_s": 5e-6}
 HIT = 1.05  # "within 5% of the fastest strategy"
 SOFTMIN_T = 0.02  # temperature (in log time) of the soft choice in the selection loss
@@ -134,7 +135,8 @@ def predict(x: np.ndarray, feat: dict) -> np.ndarray:
     d, eb = HEAD_DIM, 2
     tok_bytes = d * 2 * eb
     mask = 1.0 + c["mask_cost"] * launch_masked
-    tile_sm_s = block_n * tok_bytes / c["sm_bandwidth"] + 4.0 * block_m * block_n * d / c["sm_flops"]
+    flops = np.where(block_m >= 64, c["sm_flops"], c["sm_flops_small"])
+    tile_sm_s = block_n * tok_bytes / c["sm_bandwidth"] + 4.0 * block_m * block_n * d / flops
     sm_time = (programs * c["program_overhead_s"] + (work + c["mask_cost"] * masked_work) * tile_sm_s) / cm.num_sms
     longest_s = longest * (block_n * tok_bytes / c["program_bandwidth"]
                            + 4.0 * block_m * block_n * d / c["program_flops"]) * mask
@@ -303,7 +305,7 @@ def main():
         best = min(g, key=g.get)
         b = r["auto_choice"]
         line = (f"{r['tree'][:44]:44s} {r['hq']}/{r['hkv']:<3d} {best:>18s} {g[best]:8.1f} "
-                f"{b:>11s} {g[b] / g[best]:5.2f}x {after[ci]:>18s} {reg_after[ci]:5.2f}x")
+                f"{b:>11s} {r['graph_us'][b] * 1e-6 / M[ci].min():5.2f}x {after[ci]:>18s} {reg_after[ci]:5.2f}x")
         if reg_cv is not None:
             line += f" {pick_cv[ci]:>18s} {reg_cv[ci]:5.2f}x"
         print(line + ("  <- miss" if reg_after[ci] > HIT else ""))

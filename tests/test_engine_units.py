@@ -256,9 +256,9 @@ def test_auto_decision_is_reused_until_the_tree_changes_scale():
 
     planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="auto", device="cpu")
     first = planner.plan(tree_from_medusa(32, context_len=90))  # 90 + 32 tokens: 7 bits
-    assert first.requested_strategy == "auto" and first.strategy == "paths"
+    assert first.requested_strategy == "auto"
     again = planner.plan(tree_from_medusa(32, context_len=80))
-    assert again.requested_strategy == "paths"  # same shape, same octave: reused
+    assert again.requested_strategy == first.strategy  # same shape, same octave: reused
     longer = planner.plan(tree_from_medusa(32, context_len=2800))
     assert longer.requested_strategy == "auto"  # decided again
 

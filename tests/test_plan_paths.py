@@ -70,8 +70,8 @@ def test_mask_lead_is_the_builders_mask_start():
 def test_the_cost_model_runs_a_masked_items_lead_unmasked():
     """Masked tiles are counted from an item's mask lead: the estimate falls as the lead grows,
     and an unknown lead (-1) counts every tile of the item masked, as before."""
-    heads = HeadConfig(16, 2, 64)
-    tree = tree_from_spec("1,2,4,8,32_40,16,8,8,4")
+    heads = HeadConfig(64, 8, 128)
+    tree = tree_from_spec("1,8,16,32,64,256,1024_256,128,64,16,16,16,16")
     items = path_tiles(tree, heads, 64)
     assert items.masked.any() and (items.mask_lead > 0).any()
     est = [estimate_items(tree, dataclasses.replace(items, mask_lead=lead), heads, CostModel())["total"]
