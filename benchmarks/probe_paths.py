@@ -50,7 +50,6 @@ def main(argv=None) -> None:
             row = {"tree": spec, "hq": hq, "hkv": hkv,
                    "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bw),
                    "us": {}, "est_us": {}, "err": {}}
-            w = TreeAttention(device="cuda", streams=3)
             name, items, reason, _ = plan_auto(tree, heads, cost, others)
             plans = {"auto": build_plan(tree, items, heads, strategy=name, device="cuda", cost=cost)}
             row["auto"] = name
@@ -59,7 +58,7 @@ def main(argv=None) -> None:
                 plans[vn] = build_plan(tree, vitems, heads, strategy="paths", device="cuda", cost=cost)
                 row["est_us"][vn] = estimate_items(tree, vitems, heads, cost)["total"] * 1e6
             need = max(p.workspace_bytes() for p in plans.values()) // 4
-            w._workspace = torch.empty(max(need, 1), dtype=torch.float32, device="cuda")
+            w = TreeAttention(torch.empty(max(need, 1), dtype=torch.float32, device="cuda"), device="cuda", streams=3)
             ref = None
             for vn, p in plans.items():
                 row["us"][vn] = graph_us(lambda: w.run(q, k, v, p, out=out))

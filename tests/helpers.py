@@ -135,3 +135,16 @@ def paged_copy(tree, k, v, page_size, rng):
                                     query_prefix=tree.query_prefix, kv_indices=slots,
                                     page_size=page_size, num_slots=n_slots)
     return paged, kc, vc
+
+
+def paged_case(tree, hq: int, hkv: int, head_dim: int, rng, page_size: int = 4):
+    """Random fp32 queries and K/V for ``tree`` scattered into a shuffled paged pool
+    (:func:`paged_copy`): ``(q, paged tree, k cache, v cache, float64 reference output)``."""
+    from treeattn import reference_attention
+
+    q = torch.randn(tree.num_queries, hq, head_dim)
+    k = torch.randn(tree.num_tokens, hkv, head_dim)
+    v = torch.randn(tree.num_tokens, hkv, head_dim)
+    paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
+    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    return q, paged, kc, vc, o_ref

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import TOL, forests, paged_copy, random_tree, rel_l2
+from helpers import TOL, forests, paged_case, paged_copy, random_tree, rel_l2
 from treeattn import STRATEGIES, TreeAttention, reference_attention
 from treeattn.plan import CostModel
 from treeattn.workloads import tree_from_medusa, tree_from_spec
@@ -286,13 +286,8 @@ def test_packed_leaf_items_match_float64_reference(rng, device, hq, hkv):
     from treeattn.plan.build import build_plan
     from treeattn.plan.packing import pack_leaf_items
 
-    tree = tree_from_spec("1,4,16_40,9,5")
     d = 16
-    q = torch.randn(tree.num_queries, hq, d)
-    k = torch.randn(tree.num_tokens, hkv, d)
-    v = torch.randn(tree.num_tokens, hkv, d)
-    paged, kc, vc = paged_copy(tree, k, v, 4, rng)
-    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    q, paged, kc, vc, o_ref = paged_case(tree_from_spec("1,4,16_40,9,5"), hq, hkv, d, rng)
     heads = HeadConfig(hq, hkv, d, torch.float32)
     items, _ = PLANNERS["node"](paged, heads, CostModel())
     for factor in (2, 4):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import expected_coverage, paged_copy, planned_coverage, random_tree, rel_l2
-from treeattn import TreeAttention, reference_attention
+from helpers import expected_coverage, paged_case, planned_coverage, random_tree, rel_l2
+from treeattn import TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
 from treeattn.plan.auto import estimate_items
 from treeattn.plan.paths import OWN_ITEM_TOKENS, cut_at_leads, deferred_path_tiles, path_tiles, paths_variants
@@ -95,13 +95,8 @@ def test_deep_gqa_trees_read_each_query_once():
 def test_variants_match_float64_reference(rng, device, hq, hkv):
     """Whole tiles, tiles with long nodes apart and tiles whose leads are split into KV chunks run
     in the Triton kernels and match a float64 reference."""
-    tree = tree_from_spec("1,4,16_300,9,70")
     d = 16
-    q = torch.randn(tree.num_queries, hq, d)
-    k = torch.randn(tree.num_tokens, hkv, d)
-    v = torch.randn(tree.num_tokens, hkv, d)
-    paged, kc, vc = paged_copy(tree, k, v, 4, rng)
-    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    q, paged, kc, vc, o_ref = paged_case(tree_from_spec("1,4,16_300,9,70"), hq, hkv, d, rng)
     heads = HeadConfig(hq, hkv, d, torch.float32)
     notes = set()
     for items, note in paths_variants(paged, heads, CostModel()):

@@ -16,7 +16,8 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "DeferredItems", "concat_items", "glued_items", "group_order", "items_from_groups"]
+__all__ = ["WorkItems", "DeferredItems", "concat_items", "glued_items", "group_order", "items_from_groups",
+           "masked_flags"]
 
 
 @dataclass(frozen=True)
@@ -161,18 +162,20 @@ def items_from_groups(seg_item, seg_node, seg_lo, seg_hi, q_item, q_query, num_i
                      _indptr(np.bincount(q_item, minlength=num_items)), q_query, q_tokens)
 
 
+def masked_flags(items: WorkItems) -> np.ndarray | None:
+    """bool [num_items]: the items some query sees only part of, from :attr:`WorkItems.masked` or
+    else their ``q_tokens`` (None without either)."""
+    if items.masked is not None:
+        return items.masked
+    if items.q_tokens is None:
+        return None
+    return _segment_sum(items.q_tokens, items.q_indptr) < items.item_len * items.item_queries
+
+
 def concat_items(first: WorkItems, second: WorkItems) -> WorkItems:
     """The items of ``first``, then those of ``second``; ``masked`` flags where both have them or
-    their ``q_tokens``."""
-    def flags(items):
-        if items.masked is not None:
-            return items.masked
-        if items.q_tokens is None:
-            return None
-        seen = _segment_sum(items.q_tokens, items.q_indptr)
-        return seen < items.item_len * items.item_queries
-
-    masked = [flags(first), flags(second)]
+    their ``q_tokens`` (:func:`masked_flags`)."""
+    masked = [masked_flags(first), masked_flags(second)]
     q_tokens = [first.q_tokens, second.q_tokens]
     lead = [a if a is not None else np.full(b.num_items, -1, dtype=np.int64)
             for a, b in ((first.mask_lead, first), (second.mask_lead, second))]
@@ -202,13 +205,13 @@ class DeferredItems(WorkItems):
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
     q_indptr, q_indices, q_tokens = (_made_field(f) for f in ("q_indptr", "q_indices", "q_tokens"))
-    masked = mask_lead = None  # (deferred items are not flagged, but for packed leaf items and split ones)
 
     def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, q_item=None, q_query=None,
-                 single_nodes=None):
-        # (frozen dataclass: values go straight into the instance dict)
+                 single_nodes=None, *, masked: np.ndarray | None = None, mask_lead: np.ndarray | None = None):
+        # (frozen dataclass: values go straight into the instance dict; ``masked`` and
+        # ``mask_lead`` are the items' own, not the made ones')
         self.__dict__.update(item_len=item_len, item_queries=item_queries, _make=make, _pairs=(q_item, q_query),
-                             _single_nodes=single_nodes)
+                             _single_nodes=single_nodes, masked=masked, mask_lead=mask_lead)
 
     @property
     def num_items(self) -> int:

@@ -87,13 +87,13 @@ class _PackedItems(DeferredItems):
         others, leaves = (slice(num_others), slice(num_others, n)) if tail else (~leaf, leaf)
         groups = np.arange(0, num_leaves, k)
         length, nq = source.item_len, source.item_queries
-        super().__init__(np.concatenate((length[others], np.add.reduceat(length[leaves], groups))),
-                         np.concatenate((nq[others], np.add.reduceat(nq[leaves], groups))), self._pack)
         masked = np.zeros(num_others + groups.size, dtype=bool)
         masked[num_others:] = True
         masked[-1] = num_leaves - groups[-1] > 1
+        super().__init__(np.concatenate((length[others], np.add.reduceat(length[leaves], groups))),
+                         np.concatenate((nq[others], np.add.reduceat(nq[leaves], groups))), self._pack, masked=masked)
         leaves_used = bool(((length[leaves] > 0) & (nq[leaves] > 0)).all())
-        self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, masked=masked, leaves_used=leaves_used)
+        self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, leaves_used=leaves_used)
 
     def used_merge_rows(self, used: np.ndarray | None = None) -> int:
         if self.leaves_used:  # (each used item's pairs go to a used item: the source's chains)

@@ -6,11 +6,12 @@ tree of 1024 leaves under six levels of shared nodes gives each query seven part
 each level loads the query again. Here consecutive queries (depth-first) fill one query tile, and
 the tile's work item is the union of their paths, root first: a shared node is read once per tile
 (the tiles under it run together, so mostly from L2), each query keeps to its own path through
-the tree mask, and it has one partial row per KV chunk of its tile instead of one per node.
+the tree mask, and it has one row, written directly (no merge), instead of one per node.
 
 A node whose rows fill only part of a tile wastes the rest of the tile's rows on its tokens
 (masked). Long such nodes (a private leaf of 256 tokens) stay items of their own, as ``node``'s,
-in the variants that keep them apart. Items are then split for parallelism as ``greedy``'s are.
+in the variants that keep them apart. When the tiles' programs cannot fill the GPU, variants cut
+each tile at its mask lead and split the leads into KV chunks (one row per chunk).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, _indptr, concat_items
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, concat_items, masked_flags
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
 from treeattn.plan.split import fill_length, split_long_items
@@ -79,11 +80,13 @@ def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray
     lead = np.bincount(seg_tile, seg_hi * (broken == before), minlength=num_tiles).astype(np.int64)
     tiles = WorkItems(seg_indptr, seg_node, np.zeros_like(seg_node), seg_hi, _indptr(q_counts), order, q_tokens,
                       lead < item_len, lead).with_item_len(item_len)
-    if own is None or not own.any():
-        return tiles
+    return tiles if own is None or not own.any() else concat_items(tiles, _own_items(tree, own))
+
+
+def _own_items(tree: DecodingTree, own: np.ndarray) -> WorkItems:
+    """``node``'s items of the nodes flagged in ``own`` (node items have one segment each)."""
     nodes = node_items(tree)
-    mine = np.flatnonzero(own[nodes.seg_node])  # (node items have one segment each)
-    return concat_items(tiles, nodes.take(mine))
+    return nodes.take(np.flatnonzero(own[nodes.seg_node]))
 
 
 def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None
@@ -116,19 +119,16 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
     q_item[order] = np.arange(nq) // per_tile
     q_query = np.arange(nq)
     masked = lead < item_len
-    if own is not None and own.any():
-        nodes = node_items(tree)
-        mine = nodes.take(np.flatnonzero(own[nodes.seg_node]))
-        seen = np.add.reduceat(mine.q_tokens, mine.q_indptr[:-1]) if mine.num_items else np.zeros(0, np.int64)
+    if own is not None and own.any():  # (as concat_items lays them out)
+        mine = _own_items(tree, own)
         q_item = np.concatenate((q_item, num_tiles + np.arange(mine.num_items).repeat(mine.item_queries)))
         q_query = np.concatenate((q_query, mine.q_indices))
         item_len = np.concatenate((item_len, mine.item_len))
         q_counts = np.concatenate((q_counts, mine.item_queries))
-        masked = np.concatenate((masked, seen < mine.item_len * mine.item_queries))
+        masked = np.concatenate((masked, masked_flags(mine)))
         lead = np.concatenate((lead, np.full(mine.num_items, -1, dtype=np.int64)))
-    items = DeferredItems(item_len, q_counts, lambda: path_tiles(tree, heads, rows, own), q_item, q_query)
-    items.__dict__.update(masked=masked, mask_lead=lead)
-    return items
+    return DeferredItems(item_len, q_counts, lambda: path_tiles(tree, heads, rows, own), q_item, q_query,
+                         masked=masked, mask_lead=lead)
 
 
 def _query_ranges(tree: DecodingTree) -> tuple:
@@ -163,7 +163,7 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
     length = items.item_len[src]
     length = np.where(is_lead, lead[src], np.where(is_tail, length - lead[src], length))
     nq = items.item_queries[src]
-    new_lead = np.where(is_lead, lead[src], np.where(is_tail, 0, lead[src]))
+    new_lead = np.where(is_tail, 0, lead[src])
     new_masked = np.where(is_lead, False, masked[src])
 
     def make() -> WorkItems:
@@ -184,17 +184,15 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
     twice = cut[q_item]
     new_q_item = np.concatenate((base[q_item], base[q_item[twice]] + 1))
     new_q_query = np.concatenate((q_query, q_query[twice]))
-    new = DeferredItems(length, nq, make, new_q_item, new_q_query)
-    new.__dict__.update(masked=new_masked, mask_lead=new_lead)
-    return new, ~new_masked
+    return DeferredItems(length, nq, make, new_q_item, new_q_query, masked=new_masked, mask_lead=new_lead), ~new_masked
 
 
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
     """``[(items, note), ...]``: path tiles of each query-tile height (16 rows only from
-    :data:`SHORT_TILE_MIN_GROUP`), with every node in the
-    tiles and, where some are, with long nodes of fewer rows than a tile apart; each whole (every
-    query's output written directly) and, where their programs would not fill the GPU, with the
-    tiles' leads and the nodes apart split into KV chunks (:func:`~treeattn.plan.split.fill_length`;
+    :data:`SHORT_TILE_MIN_GROUP`), with every node in the tiles and, where some are, with long
+    nodes of fewer rows than a tile apart; each whole (every query's output written directly) and,
+    where their programs would not fill the GPU, with the tiles' leads and the nodes apart split
+    into KV chunks (:func:`~treeattn.plan.split.fill_length`;
     on the kernel suite the split variants were the fastest on small trees only)."""
     rows = tree.subtree_queries * heads.group
     extent = tree.node_extent

@@ -38,17 +38,17 @@ class _SplitItems(DeferredItems):
         base = _indptr(chunks)
         chunk_item = np.arange(n).repeat(chunks)
         cl = chunk_len[chunk_item]
-        super().__init__(
-            np.minimum(cl, source.item_len[chunk_item] - (np.arange(int(base[-1])) - base[chunk_item]) * cl),
-            source.item_queries[chunk_item], self._split)
-        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
-                             chunk_base=base)
+        offset = (np.arange(int(base[-1])) - base[chunk_item]) * cl
+        length = np.minimum(cl, source.item_len[chunk_item] - offset)
+        masked = mask_lead = None
         if source.mask_lead is not None and source.masked is not None:
             # a chunk's lead is the part of its item's lead that falls in it
-            offset = (np.arange(int(base[-1])) - base[chunk_item]) * cl
-            lead = np.clip(source.mask_lead[chunk_item] - offset, 0, self.item_len)
-            masked = source.masked[chunk_item] & (lead < self.item_len)
-            self.__dict__.update(masked=masked, mask_lead=np.where(source.mask_lead[chunk_item] < 0, -1, lead))
+            lead = np.clip(source.mask_lead[chunk_item] - offset, 0, length)
+            masked = source.masked[chunk_item] & (lead < length)
+            mask_lead = np.where(source.mask_lead[chunk_item] < 0, -1, lead)
+        super().__init__(length, source.item_queries[chunk_item], self._split, masked=masked, mask_lead=mask_lead)
+        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
+                             chunk_base=base)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each query of a source item is in that item's used chunks: no need to make the chunks'
