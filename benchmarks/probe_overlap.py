@@ -61,7 +61,8 @@ def probe_case(spec: str, hq: int, hkv: int, streams: list) -> dict:
 
     ref = timed("planned", lambda: w.run(q, k, v, plan, out=out))
     serial = TreeAttention(device="cuda", streams=0)
-    for name, fn in (("serial", lambda: serial.run(q, k, v, plan, out=out)),
+    serial_plan = serial.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128)
+    for name, fn in (("serial", lambda: serial.run(q, k, v, serial_plan, out=out)),
                      ("flipped", lambda: w.run(q, k, v, dataclasses.replace(plan, tall_first=not plan.tall_first),
                                                out=out))):
         row["err"][name] = float((timed(name, fn) - ref).abs().max())
