@@ -170,18 +170,19 @@ def test_triton_interpreter_decode(tiny, model):
     check_leaves(hf, eng.run(ctl)["leaves"])
 
 
-def test_speculative_verification_matches_transformers(tiny, model):
+@pytest.mark.parametrize("strategy", ["auto", "paths", "sequence"])
+def test_speculative_verification_matches_transformers(tiny, model, strategy):
     hf, _ = tiny
     parents = [-1, -1, 0, 0, 1, 2]                 # two first-level drafts, three more below
     ctl = SpeculativeReplayController(parents, [3, 1, 2, 4], list(range(20, 30)), sampler=Sampler(seed=1),
                                       vocab_size=256)
-    eng = TreeEngine(model, page_size=4, kv_tokens=1024)
+    eng = TreeEngine(model, page_size=4, kv_tokens=1024, strategy=strategy)
     seen = []
     orig = eng.verify
 
     def spy(node, root, par, drafts):
         logits = orig(node, root, par, drafts)
-        seen.append((eng.tree.tokens(node), drafts.tolist(), logits))
+        seen.append((eng.tree.tokens(node), drafts.tolist(), logits, eng.planner.last_patched))
         c, st = len(seen[-1][0]), eng.stats[-1]     # the root token sees c tokens, draft i c + depth
         assert (st.visible_tokens, st.unique_tokens) == (c + 6 * c + 1 + 1 + 2 + 2 + 2 + 3, c + 6)
         return logits
@@ -189,7 +190,10 @@ def test_speculative_verification_matches_transformers(tiny, model):
     eng.verify = spy
     out = eng.run(ctl)
     assert out["accepted"] == 3 + 1 + 2 + 4 and ctl.chain == [0, 2, 5]
-    for ctx, drafts, logits in seen:
+    # the context only grew at its tail and the drafts kept their scratch slots: after the first
+    # verify the planner patches its last plan (PAT's lazy update) instead of planning again
+    assert [s[3] for s in seen] == [False, True, True, True]
+    for ctx, drafts, logits, _ in seen:
         assert (logits[0] - hf_last_logits(hf, ctx)).abs().max() <= TOL
         for i in range(len(parents)):
             path, at = [], i

@@ -1,5 +1,7 @@
 """Per-step attention planning for the engine: host planning, one pinned host-to-device copy per
-plan, ``auto`` decisions reused while the tree keeps its shape, and *decode windows*.
+plan, ``auto`` decisions reused while the tree keeps its shape, PAT's lazy update of the last plan
+when the tree only grew at planned tails (a speculative verify loop: the context gains the
+accepted tokens, the draft tree keeps its scratch slots), and *decode windows*.
 
 A decode window plans ``K`` steps at once: every query's node already holds the slots of its next
 ``K`` tokens, the plan carries a tree mask, and before each step only the device-side
@@ -18,6 +20,7 @@ import torch
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.engine.tuning import StrategyTuner
 from treeattn.plan.plan import masked_entries, split_masked_launches, unit_mask_terms
+from treeattn.plan.update import update_plan
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -51,7 +54,10 @@ class StepPlanner:
     auto_refresh : int
         With ``strategy="auto"``, the concrete strategy auto picks is reused for up to this many
         plans while the tree's nodes, queries, KV tokens and sharing (tokens read by all queries
-        over distinct tokens) stay within the same powers of two (1: decide every plan).
+        over distinct tokens) stay within the same powers of two (1: decide every plan). A plan
+        without a decode window is also patched (:func:`~treeattn.plan.update.update_plan`) for
+        up to this many following trees that only append tokens to its planned tails, while
+        that shape key holds.
     tuner : treeattn.engine.tuning.StrategyTuner, optional
         With ``strategy="auto"``: time auto's near-best strategies for each shape key and keep
         the fastest (the caller runs :meth:`probe` on every step). Without one, auto's estimate
@@ -67,8 +73,10 @@ class StepPlanner:
         self.auto_refresh = max(1, int(auto_refresh))
         self.tuner = tuner if strategy == "auto" else None
         self._auto: tuple | None = None       # (shape key, chosen strategy, plans left)
+        self._last: tuple | None = None       # (host plan, shape key, updates left) for update_plan
         self.last_ms = 0.0
         self.last_reason = ""
+        self.last_patched = False             # the last plan was the one before it, patched
 
     @staticmethod
     def _shape_key(tree: DecodingTree) -> tuple:
@@ -104,6 +112,14 @@ class StepPlanner:
         """
         t0 = time.perf_counter()
         key = self._shape_key(tree) if self.strategy == "auto" else None
+        if first_prefix is None and self.tuner is None:
+            plan = self._update(tree, key)
+            self.last_patched = plan is not None
+            if plan is not None:
+                plan = self._to_device(plan)
+                self.last_ms = (time.perf_counter() - t0) * 1e3
+                return plan
+        self._last, self.last_patched = None, False
         strategy, note, trial = self._choose(key)
         plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
         if strategy == "auto":
@@ -116,10 +132,25 @@ class StepPlanner:
         self.last_reason = plan.reason
         if first_prefix is not None:
             plan = self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
+        elif not trial:
+            self._last = (plan, key, self.auto_refresh - 1)
         plan = self._to_device(plan)
         if trial:
             self.tuner.track(key, plan.strategy, plan)
         self.last_ms = (time.perf_counter() - t0) * 1e3
+        return plan
+
+    def _update(self, tree: DecodingTree, key: tuple | None) -> Plan | None:
+        """The last plan patched for ``tree`` (a host plan), or None where that is not allowed or
+        ``tree`` is not the last one with tokens appended at planned tails."""
+        if self._last is None:
+            return None
+        last, last_key, left = self._last
+        if left <= 0 or last_key != key:
+            return None
+        plan = update_plan(last, tree)
+        if plan is not None:
+            self._last = (plan, key, left - 1)
         return plan
 
     def window_steps(self, plan: Plan, steps: int) -> int:
