@@ -16,13 +16,15 @@ Every attention-kernel variant is compiled before the run (``TreeEngine.precompi
 allocator growth; ``outliers`` counts them, ``mean_step_ms_all`` keeps them).
 
 ``host_overhead`` is the share of the timed steps' latency during which the GPU waited for the
-host: each timed step also records an event before its first operation, and the GPU time from
-the previous step's end event to it is idle time (zero when the host is ahead, as its work is
-already queued). ``busy_step_ms`` is the mean step latency without that idle time.
-``isolated_gap`` = (mean step latency - ``gpu_step_ms``) / mean step latency compares back-to-back
-steps with the isolated breakdown steps; it is not host overhead (on ToT and speculative
-workloads back-to-back steps are 10-25% slower than isolated ones while the host is several
-steps ahead of the GPU: ``benchmarks/host_sync_probe.py``).
+host: each timed step records an event when its forward pass is issued (after its planning and
+KV bookkeeping), and the GPU time from the previous step's end event to it is ``idle_ms`` (zero
+when the host issued the forward before the GPU finished the previous step; otherwise the wait,
+plus the step's few KV copies issued before its forward). Until 314bcfd the event sat before the
+step's host work, which hid the GPU's wait while the host planned: speculative t=32 `auto`
+showed 0.0% at 6.9 ms a step and ran at 5.8 once its plans were patched instead of rebuilt.
+``busy_step_ms`` is the mean step latency without that idle time. ``isolated_gap`` = (mean step
+latency - ``gpu_step_ms``) / mean step latency compares back-to-back steps with the isolated
+breakdown steps (ToT's back-to-back steps stay 15-25% slower with no idle time found).
 """
 from __future__ import annotations
 
@@ -122,13 +124,13 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
     def hook(event, layer):
         if state.get("kind") == "breakdown":
             state.setdefault("ev", []).append((event, clock.mark()))
+        elif event == "forward_begin" and state.get("kind") in ("warm", "timed") and state["step"] not in begins:
+            begins[state["step"]] = clock.mark()  # once the host has planned and issued the KV work
 
     def schedule(step):
         kind = kinds.get(step)
         state.clear()
-        state["kind"] = kind
-        if kind in ("warm", "timed"):
-            begins[step] = clock.mark()  # before any of the step's work is enqueued
+        state["kind"], state["step"] = kind, step
         if kind == "breakdown":
             clock.sync()
             state["t0"] = time.perf_counter()
@@ -166,7 +168,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         if kind == "timed":
             iters.append(step)
             lat.append(clock.elapsed(prev, ev))
-            idle.append(max(0.0, clock.elapsed(prev, begins[step])))
+            idle.append(max(0.0, clock.elapsed(prev, begins[step])) if step in begins else 0.0)
     computed = [s for s in engine.stats if s.computed]
     host = {k: float(np.mean([getattr(s, k) for s in computed])) if computed else 0.0
             for k in ("kv_ms", "plan_ms", "forward_ms")}
