@@ -28,6 +28,7 @@ breakdown steps (ToT's back-to-back steps stay 15-25% slower with no idle time f
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 
@@ -114,7 +115,14 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
                    **engine_kw) -> dict:
     """Benchmark one workload (a :data:`BENCH_WORKLOADS` name or a :data:`WORKLOADS` name) with one
     strategy; see the module docstring. Returns a JSON-able dict of latencies (ms)."""
+    # the previous run's engine (its KV pool, graphs and their memory pools) goes first: engines
+    # hold reference cycles, and a caching allocator short of memory frees blocks with cudaFree,
+    # which waits for the GPU
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     engine = TreeEngine(model, strategy=strategy, **engine_kw)
+    reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
     ctl, total = build_workload(_spec(name, model.config.vocab_size, seed))
     kinds = _schedule(total, steps, windows, breakdown_steps, max(1, int(warmup_steps)))
     clock = _Clock(engine.device)
@@ -203,7 +211,7 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
         "strategies_used": used, "cuda_graphs": graphs,
         "tuning": engine.planner.tuner.summary() if engine.planner.tuner is not None else None,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
-        "leaked_pages": int(leaked), "wall_s": wall_s,
+        "leaked_pages": int(leaked), "wall_s": wall_s, "reserved_gib_at_start": reserved / 2**30,
     }
     del engine
     return out
