@@ -154,8 +154,13 @@ def test_without_a_tuner_plans_are_unchanged():
     assert eng.planner.tuner is None
     assert TreeEngine(TreeModel.random("tiny"), kv_tokens=256, strategy="sequence", tune=True).planner.tuner is None
     plain = StepPlanner(HEADS, strategy="auto", device="cpu")
-    got = [plain.plan(t) for t in (THREE_ARMS, THREE_ARMS, ONE_ARM, THREE_ARMS)]
-    assert [p.requested_strategy for p in got] == ["auto", A, "auto", "auto"]
+    got, patched = [], []
+    for t in (THREE_ARMS, THREE_ARMS, ONE_ARM, THREE_ARMS):
+        got.append(plain.plan(t))
+        patched.append(plain.last_patched)
+    # the repeated tree gets the last plan back (a lazy update that appends nothing)
+    assert patched == [False, True, False, False]
+    assert [p.requested_strategy for p in got] == ["auto", "auto", "auto", "auto"]
     assert [p.strategy for p in got] == [A, A, ONE, A]
     assert got[0].reason == make_plan(THREE_ARMS, HEADS).reason
     assert plain.probe(got[0], LAYERS) is None
