@@ -154,14 +154,18 @@ def test_without_a_tuner_plans_are_unchanged():
     assert eng.planner.tuner is None
     assert TreeEngine(TreeModel.random("tiny"), kv_tokens=256, strategy="sequence", tune=True).planner.tuner is None
     plain = StepPlanner(HEADS, strategy="auto", device="cpu")
+    # THREE_ARMS with its tokens in other slots: the same shape key, but no lazy update applies
+    moved = DecodingTree.from_parents(THREE_ARMS.parents, THREE_ARMS.lengths,
+                                      kv_indices=THREE_ARMS.kv_indices + 5000)
     got, patched = [], []
-    for t in (THREE_ARMS, THREE_ARMS, ONE_ARM, THREE_ARMS):
+    for t in (THREE_ARMS, moved, ONE_ARM, THREE_ARMS):
         got.append(plain.plan(t))
         patched.append(plain.last_patched)
-    # the repeated tree gets the last plan back (a lazy update that appends nothing)
-    assert patched == [False, True, False, False]
-    assert [p.requested_strategy for p in got] == ["auto", "auto", "auto", "auto"]
+    assert patched == [False] * 4
+    assert [p.requested_strategy for p in got] == ["auto", A, "auto", "auto"]
     assert [p.strategy for p in got] == [A, A, ONE, A]
+    # the same tree again gets the last plan back (a lazy update that appends nothing)
+    assert plain.plan(THREE_ARMS).strategy == A and plain.last_patched
     assert got[0].reason == make_plan(THREE_ARMS, HEADS).reason
     assert plain.probe(got[0], LAYERS) is None
 

@@ -19,10 +19,8 @@ allocator growth; ``outliers`` counts them, ``mean_step_ms_all`` keeps them).
 host: each timed step records an event when its forward pass is issued (after its planning and
 KV bookkeeping), and the GPU time from the previous step's end event to it is ``idle_ms`` (zero
 when the host issued the forward before the GPU finished the previous step; otherwise the wait,
-plus the step's few KV copies issued before its forward). Until 314bcfd the event sat before the
-step's host work, which hid the GPU's wait while the host planned: speculative t=32 `auto`
-showed 0.0% at 6.9 ms a step and ran at 5.8 once its plans were patched instead of rebuilt.
-``busy_step_ms`` is the mean step latency without that idle time. ``isolated_gap`` = (mean step
+plus the step's few KV copies issued before its forward). Until 03a2ab8 the event sat before the
+step's host work, where it could not see the GPU wait while the host planned. ``busy_step_ms`` is the mean step latency without that idle time. ``isolated_gap`` = (mean step
 latency - ``gpu_step_ms``) / mean step latency compares back-to-back steps with the isolated
 breakdown steps (ToT's back-to-back steps stay 15-25% slower with no idle time found).
 """
@@ -115,9 +113,8 @@ def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows:
                    **engine_kw) -> dict:
     """Benchmark one workload (a :data:`BENCH_WORKLOADS` name or a :data:`WORKLOADS` name) with one
     strategy; see the module docstring. Returns a JSON-able dict of latencies (ms)."""
-    # the previous run's engine (its KV pool, graphs and their memory pools) goes first: engines
-    # hold reference cycles, and a caching allocator short of memory frees blocks with cudaFree,
-    # which waits for the GPU
+    # free the previous run's engine (its KV pool and graph memory pools sit in reference
+    # cycles), so that every run starts from the same device memory (``reserved_gib_at_start``)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

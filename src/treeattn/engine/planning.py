@@ -112,14 +112,13 @@ class StepPlanner:
         """
         t0 = time.perf_counter()
         key = self._shape_key(tree) if self.strategy == "auto" else None
-        if first_prefix is None and self.tuner is None:
-            plan = self._update(tree, key)
-            self.last_patched = plan is not None
-            if plan is not None:
-                plan = self._to_device(plan)
-                self.last_ms = (time.perf_counter() - t0) * 1e3
-                return plan
-        self._last, self.last_patched = None, False
+        patched = self._update(tree, key) if first_prefix is None and self.tuner is None else None
+        self.last_patched = patched is not None
+        if patched is not None:
+            plan = self._to_device(patched)
+            self.last_ms = (time.perf_counter() - t0) * 1e3
+            return plan
+        self._last = None
         strategy, note, trial = self._choose(key)
         plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
         if strategy == "auto":
