@@ -5,7 +5,7 @@ Session 16 measured speculative t=32 (``auto``) at 5.88 ms a step when it ran fi
 the GPU has the work queued (the host runs several steps ahead) but leaves gaps between its
 operations. This runs, in one process, ``bench e2e``'s measurement (:func:`bench_workload`) of:
 
-1. speculative-32 ``auto`` first (under ``torch.profiler``) and ``sequence``;
+1. speculative-32 ``auto`` and ``sequence`` first;
 2. the aging workloads of that measurement (few-shot b=50, ToT sorting and keyword, ``auto``);
 3. speculative-32 ``auto`` again (profiled), then variants that each remove one suspect:
    ``ahead1``: the host waits until the GPU has started the previous step before issuing the next
@@ -88,35 +88,87 @@ def eager_attention(on: bool):
         graphs_mod.AttentionGraph.capture = original
 
 
+@contextlib.contextmanager
+def profiled(on: bool, out: dict):
+    """Profile (CUDA activity only) from a run's first model step to its end, with a marker kernel
+    (a ``torch.cuda._sleep(1)`` spin) enqueued at every ``forward_begin`` and ``forward_end``, and
+    put :func:`summarize_profile` into ``out["profile"]``."""
+    if not on:
+        yield
+        return
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    original_run, original_fire = TreeEngine.run, TreeEngine._fire
+
+    def fire(self, event, layer=-1):
+        original_fire(self, event, layer)
+        if event in ("forward_begin", "forward_end"):
+            torch.cuda._sleep(1)
+
+    def run(self, controller, *, max_steps=None, on_step=None, schedule=None):
+        started = []
+
+        def start(step):
+            go = schedule(step) if schedule is not None else True
+            if go and not started:
+                prof.start()
+                started.append(step)
+            return go
+        try:
+            return original_run(self, controller, max_steps=max_steps, on_step=on_step, schedule=start)
+        finally:
+            torch.cuda.synchronize()
+            if started:
+                prof.stop()
+
+    TreeEngine.run, TreeEngine._fire = run, fire
+    try:
+        yield
+    finally:
+        TreeEngine.run, TreeEngine._fire = original_run, original_fire
+    out["profile"] = summarize_profile(prof)
+
+
 def summarize_profile(prof) -> dict:
-    """CUDA runtime calls by name and the GPU's short gaps by the operations around them."""
-    api = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    gpu = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            gpu.append((e.time_range.start, e.time_range.end, e.name[:50]))
-        elif e.name.startswith("cu"):
-            us = e.time_range.end - e.time_range.start
-            a = api[e.name]
-            a[0] += 1
-            a[1] += us
-            a[2] = max(a[2], us)
-    gpu.sort()
-    gaps = collections.defaultdict(lambda: [0, 0.0])
-    total_gap = busy = 0.0
-    for (s0, e0, n0), (s1, e1, n1) in zip(gpu, gpu[1:]):
-        gap = s1 - max(e0, s0)
-        busy += e1 - s1
-        if 2.0 <= gap <= 1000.0:
-            g = gaps[f"{n0} -> {n1}"]
-            g[0] += 1
-            g[1] += gap
-            total_gap += gap
+    """The GPU timeline cut at the marker kernels, in microseconds: per forward pass (begin to end
+    marker) its span, busy time and gaps (summed by the operations around them), back to back
+    (``inside``) or after a wait (``isolated``: breakdown steps, first steps of a window), and
+    between the end of one forward and the begin of the next (``between``, consecutive steps)."""
+    ops = sorted((e.time_range.start, e.time_range.end, e.name[:48]) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    marks = [i for i, (s, e, n) in enumerate(ops) if ("spin" in n or "sleep" in n) and e - s < 20.0]
+    rows = {"inside": [], "isolated": [], "between": []}
+    gaps = {k: collections.defaultdict(lambda: [0, 0.0]) for k in rows}
+    after_wait = True
+    # markers alternate forward_begin, forward_end; a begin more than 20 ms after the previous end
+    # waited for a breakdown step's sleep or for fast-forwarded steps: its forward counts as isolated
+    for j, (a, b) in enumerate(zip(marks, marks[1:])):
+        seg = ops[a: b + 1]
+        span = seg[-1][0] - seg[0][1]
+        if j % 2:
+            if span > 20_000:
+                after_wait = True
+                continue
+            kind = "between"
+        else:
+            kind, after_wait = ("isolated" if after_wait else "inside"), False
+        gap_sum = 0.0
+        for (s0, e0, n0), (s1, e1, n1) in zip(seg, seg[1:]):
+            gap = max(0.0, s1 - e0)
+            gap_sum += gap
+            if gap > 1.0:
+                g = gaps[kind][f"{n0} -> {n1}"]
+                g[0] += 1
+                g[1] += gap
+        rows[kind].append({"span_us": span, "busy_us": sum(e - s for s, e, _ in seg[1:-1]), "gap_us": gap_sum,
+                           "ops": len(seg) - 2})
+
+    def mean(rows, key):
+        return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
     return {
-        "gpu_ops": len(gpu), "gpu_busy_ms": busy / 1e3, "gap_2us_1ms_total_ms": total_gap / 1e3,
-        "gaps": sorted(([k, v[0], round(v[1] / 1e3, 3)] for k, v in gaps.items()), key=lambda r: -r[2])[:15],
-        "api": sorted(([k, v[0], round(v[1] / 1e3, 3), round(v[2], 1)] for k, v in api.items()),
-                      key=lambda r: -r[2])[:20],
+        **{f"{kind}_{k}": mean(r, k) for kind, r in rows.items() for k in ("span_us", "busy_us", "gap_us", "ops")},
+        **{f"{kind}_count": len(r) for kind, r in rows.items()},
+        **{f"top_gaps_{kind}": sorted(([k, v[0], round(v[1], 1)] for k, v in g.items()), key=lambda r: -r[2])[:12]
+           for kind, g in gaps.items()},
     }
 
 
@@ -130,38 +182,39 @@ def main(argv=None) -> None:
     model = TreeModel.random(args.random_weights, device="cuda", dtype=torch.bfloat16)
     runs = []
 
-    def one(label, workload, strategy, *, profiled=False, limit=None, eager=False):
+    def one(label, workload, strategy, *, profile_it=False, limit=None, eager=False):
         t0 = time.perf_counter()
-        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if profiled else None
-        with ahead(limit), eager_attention(eager), (prof or contextlib.nullcontext()):
+        extra = {}
+        with ahead(limit), eager_attention(eager), profiled(profile_it, extra):
             r = bench_workload(model, workload, strategy, steps=args.steps, windows=args.windows)
-        row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}}
-        if prof is not None:
-            row["profile"] = summarize_profile(prof)
+        row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}, **extra}
         row["probe_s"] = time.perf_counter() - t0
-        row["host_memory"] = {k: v for k, v in torch.cuda.host_memory_stats().items()
-                              if not isinstance(v, dict)}
         runs.append(row)
+        p = extra.get("profile", {})
         print(f"{label:28s} {workload:16s} {strategy:9s} step {r['mean_step_ms']:.3f} ms  gpu "
-              f"{r['gpu_step_ms']:.3f}  gap {r['isolated_gap']:.1%}  ({row['probe_s']:.0f} s)", flush=True)
+              f"{r['gpu_step_ms']:.3f}  gap {r['isolated_gap']:.1%}  ({row['probe_s']:.0f} s)"
+              + "".join(f"  {k} span/busy/gaps {p[k + '_span_us']:.0f}/{p[k + '_busy_us']:.0f}/{p[k + '_gap_us']:.0f}"
+                        for k in ("inside", "isolated", "between") if p), flush=True)
 
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache")
     spec = "speculative-32"
-    one("first", spec, "auto", profiled=True)
-    one("first", spec, "sequence")
+    one("first", spec, "auto", profile_it=True)
+    one("first", spec, "sequence", profile_it=True)
     for w in ("fewshot-50", "tot-sorting", "tot-keyword"):
         one("aging", w, "auto")
-    one("late", spec, "auto", profiled=True)
-    one("late ahead1", spec, "auto", limit=1)
-    one("late eager_attention", spec, "auto", eager=True)
-    empty = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache")
-    empty()
-    one("late host_empty", spec, "auto")
+    one("late", spec, "auto", profile_it=True)
+    one("late", spec, "sequence", profile_it=True)
+    empty_host_cache()
+    one("late host_empty", spec, "auto", profile_it=True)
     one("late repeat", spec, "auto")
-    one("late", spec, "sequence")
-    one("late ahead1", spec, "sequence", limit=1)
-    for limit in (None, 1):
-        for s in ("auto", "sequence"):
-            one(f"late{' ahead1' if limit else ''}", "tot-sorting", s, limit=limit)
+    empty_host_cache()
+    one("late host_empty", spec, "auto")
+    empty_host_cache()
+    one("late host_empty", spec, "sequence")
+    for s in ("auto", "sequence"):
+        one("late", "tot-sorting", s, profile_it=True)
+        empty_host_cache()
+        one("late host_empty", "tot-sorting", s)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**provenance(), "steps": args.steps, "windows": args.windows, "runs": runs}, f, indent=1)
