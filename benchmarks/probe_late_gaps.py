@@ -14,8 +14,9 @@ operations. This runs, in one process, ``bench e2e``'s measurement (:func:`bench
    a plain repeat (drift control);
 4. ToT sorting ``auto`` and ``sequence`` with and without ``ahead1``.
 
-Profiled runs report the CUDA runtime calls (count, total and longest host time) and the GPU's gaps
-between consecutive operations (2 us to 1 ms), summed by the pair of operations around them.
+Runs marked ``timed`` record CUDA events around every forward pass and every layer's attention,
+so that the extra back-to-back time can be placed: inside the forward (attention or the rest) or
+between two steps' forwards.
 
 Usage (H200)::
 
@@ -30,7 +31,6 @@ import json
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from treeattn.bench.timing import provenance
 from treeattn.engine import graphs as graphs_mod
@@ -89,87 +89,63 @@ def eager_attention(on: bool):
 
 
 @contextlib.contextmanager
-def profiled(on: bool, out: dict):
-    """Profile (CUDA activity only) from a run's first model step to its end, with a marker kernel
-    (a ``torch.cuda._sleep(1)`` spin) enqueued at every ``forward_begin`` and ``forward_end``, and
-    put :func:`summarize_profile` into ``out["profile"]``."""
+def timeline(on: bool, out: dict):
+    """Record CUDA events at every model step's ``forward_begin``, ``attn_begin``, ``attn_end`` and
+    ``forward_end`` and put :func:`summarize_timeline` into ``out["timeline"]`` (events, not
+    ``torch.profiler``: profiling the engine's per-step graph captures takes minutes)."""
     if not on:
         yield
         return
-    prof = profile(activities=[ProfilerActivity.CUDA])
-    original_run, original_fire = TreeEngine.run, TreeEngine._fire
+    marks = []
+    original = TreeEngine._fire
 
     def fire(self, event, layer=-1):
-        original_fire(self, event, layer)
-        if event in ("forward_begin", "forward_end"):
-            torch.cuda._sleep(1)
+        original(self, event, layer)
+        if event in ("forward_begin", "attn_begin", "attn_end", "forward_end"):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append((event, ev))
 
-    def run(self, controller, *, max_steps=None, on_step=None, schedule=None):
-        started = []
-
-        def start(step):
-            go = schedule(step) if schedule is not None else True
-            if go and not started:
-                prof.start()
-                started.append(step)
-            return go
-        try:
-            return original_run(self, controller, max_steps=max_steps, on_step=on_step, schedule=start)
-        finally:
-            torch.cuda.synchronize()
-            if started:
-                prof.stop()
-
-    TreeEngine.run, TreeEngine._fire = run, fire
+    TreeEngine._fire = fire
     try:
         yield
     finally:
-        TreeEngine.run, TreeEngine._fire = original_run, original_fire
-    out["profile"] = summarize_profile(prof)
+        TreeEngine._fire = original
+    torch.cuda.synchronize()
+    out["timeline"] = summarize_timeline(marks)
 
 
-def summarize_profile(prof) -> dict:
-    """The GPU timeline cut at the marker kernels, in microseconds: per forward pass (begin to end
-    marker) its span, busy time and gaps (summed by the operations around them), back to back
-    (``inside``) or after a wait (``isolated``: breakdown steps, first steps of a window), and
-    between the end of one forward and the begin of the next (``between``, consecutive steps)."""
-    ops = sorted((e.time_range.start, e.time_range.end, e.name[:48]) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
-    marks = [i for i, (s, e, n) in enumerate(ops) if ("spin" in n or "sleep" in n) and e - s < 20.0]
-    rows = {"inside": [], "isolated": [], "between": []}
-    gaps = {k: collections.defaultdict(lambda: [0, 0.0]) for k in rows}
-    after_wait = True
-    # markers alternate forward_begin, forward_end; a begin more than 20 ms after the previous end
-    # waited for a breakdown step's sleep or for fast-forwarded steps: its forward counts as isolated
-    for j, (a, b) in enumerate(zip(marks, marks[1:])):
-        seg = ops[a: b + 1]
-        span = seg[-1][0] - seg[0][1]
-        if j % 2:
-            if span > 20_000:
-                after_wait = True
-                continue
-            kind = "between"
-        else:
-            kind, after_wait = ("isolated" if after_wait else "inside"), False
-        gap_sum = 0.0
-        for (s0, e0, n0), (s1, e1, n1) in zip(seg, seg[1:]):
-            gap = max(0.0, s1 - e0)
-            gap_sum += gap
-            if gap > 1.0:
-                g = gaps[kind][f"{n0} -> {n1}"]
-                g[0] += 1
-                g[1] += gap
-        rows[kind].append({"span_us": span, "busy_us": sum(e - s for s, e, _ in seg[1:-1]), "gap_us": gap_sum,
-                           "ops": len(seg) - 2})
+def summarize_timeline(marks: list) -> dict:
+    """Mean milliseconds per model step: the forward pass's span, its attention (summed over
+    layers) and the rest, and the time from the previous step's forward end (``between``). Steps
+    whose forward began more than 20 ms after the previous one ended (breakdown steps after their
+    sleep, first steps of a window) are ``isolated``; the others ``back_to_back``."""
+    steps, cur = [], None
+    for name, ev in marks:
+        if name == "forward_begin":
+            cur = {"begin": ev, "attn": []}
+        elif name == "attn_begin" and cur is not None:
+            cur["attn"].append([ev, None])
+        elif name == "attn_end" and cur is not None and cur["attn"]:
+            cur["attn"][-1][1] = ev
+        elif name == "forward_end" and cur is not None:
+            cur["end"] = ev
+            steps.append(cur)
+            cur = None
+    rows = {"back_to_back": [], "isolated": []}
+    for prev, st in zip([None] + steps, steps):
+        span = st["begin"].elapsed_time(st["end"])
+        attn = sum(a.elapsed_time(b) for a, b in st["attn"] if b is not None)
+        between = prev["end"].elapsed_time(st["begin"]) if prev is not None else float("inf")
+        kind = "isolated" if between > 20.0 else "back_to_back"
+        rows[kind].append({"forward": span, "attention": attn, "rest": span - attn,
+                           "between": between if kind == "back_to_back" else float("nan")})
 
-    def mean(rows, key):
-        return sum(r[key] for r in rows) / len(rows) if rows else float("nan")
-    return {
-        **{f"{kind}_{k}": mean(r, k) for kind, r in rows.items() for k in ("span_us", "busy_us", "gap_us", "ops")},
-        **{f"{kind}_count": len(r) for kind, r in rows.items()},
-        **{f"top_gaps_{kind}": sorted(([k, v[0], round(v[1], 1)] for k, v in g.items()), key=lambda r: -r[2])[:12]
-           for kind, g in gaps.items()},
-    }
+    def mean(rs, key):
+        vals = [r[key] for r in rs if r[key] == r[key]]
+        return round(sum(vals) / len(vals), 4) if vals else None
+    return {kind: {"steps": len(rs), **{k: mean(rs, k) for k in ("forward", "attention", "rest", "between")}}
+            for kind, rs in rows.items()}
 
 
 def main(argv=None) -> None:
@@ -182,37 +158,39 @@ def main(argv=None) -> None:
     model = TreeModel.random(args.random_weights, device="cuda", dtype=torch.bfloat16)
     runs = []
 
-    def one(label, workload, strategy, *, profile_it=False, limit=None, eager=False):
+    def one(label, workload, strategy, *, timed=False, limit=None, eager=False):
         t0 = time.perf_counter()
         extra = {}
-        with ahead(limit), eager_attention(eager), profiled(profile_it, extra):
+        with ahead(limit), eager_attention(eager), timeline(timed, extra):
             r = bench_workload(model, workload, strategy, steps=args.steps, windows=args.windows)
         row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}, **extra}
         row["probe_s"] = time.perf_counter() - t0
         runs.append(row)
-        p = extra.get("profile", {})
+        t = extra.get("timeline")
         print(f"{label:28s} {workload:16s} {strategy:9s} step {r['mean_step_ms']:.3f} ms  gpu "
               f"{r['gpu_step_ms']:.3f}  gap {r['isolated_gap']:.1%}  ({row['probe_s']:.0f} s)"
-              + "".join(f"  {k} span/busy/gaps {p[k + '_span_us']:.0f}/{p[k + '_busy_us']:.0f}/{p[k + '_gap_us']:.0f}"
-                        for k in ("inside", "isolated", "between") if p), flush=True)
+              + ("".join(f"  {k}: fwd {v['forward']} = attn {v['attention']} + rest {v['rest']}, between {v['between']}"
+                         for k, v in t.items()) if t else ""), flush=True)
 
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache")
     spec = "speculative-32"
-    one("first", spec, "auto", profile_it=True)
-    one("first", spec, "sequence", profile_it=True)
+    one("first", spec, "auto", timed=True)
+    one("first", spec, "sequence", timed=True)
     for w in ("fewshot-50", "tot-sorting", "tot-keyword"):
         one("aging", w, "auto")
-    one("late", spec, "auto", profile_it=True)
-    one("late", spec, "sequence", profile_it=True)
+    one("late", spec, "auto", timed=True)
+    one("late", spec, "sequence", timed=True)
     empty_host_cache()
-    one("late host_empty", spec, "auto", profile_it=True)
-    one("late repeat", spec, "auto")
+    one("late host_empty", spec, "auto", timed=True)
+    one("late repeat", spec, "auto", timed=True)
+    one("late ahead1", spec, "auto", timed=True, limit=1)
+    one("late eager_attention", spec, "auto", timed=True, eager=True)
     empty_host_cache()
     one("late host_empty", spec, "auto")
     empty_host_cache()
     one("late host_empty", spec, "sequence")
     for s in ("auto", "sequence"):
-        one("late", "tot-sorting", s, profile_it=True)
+        one("late", "tot-sorting", s, timed=True)
         empty_host_cache()
         one("late host_empty", "tot-sorting", s)
     if args.out:
