@@ -115,6 +115,28 @@ def timeline(on: bool, out: dict):
     out["timeline"] = summarize_timeline(marks)
 
 
+@contextlib.contextmanager
+def flush_events(every: int | None):
+    """Record a plain CUDA event (no timing) after every ``every``-th layer's attention (``0``: at
+    ``forward_begin`` and ``forward_end`` only; None: nothing)."""
+    if every is None:
+        yield
+        return
+    original = TreeEngine._fire
+
+    def fire(self, event, layer=-1):
+        original(self, event, layer)
+        if (event in ("forward_begin", "forward_end") if every == 0
+                else event == "attn_end" and layer % every == every - 1):
+            torch.cuda.Event().record()
+
+    TreeEngine._fire = fire
+    try:
+        yield
+    finally:
+        TreeEngine._fire = original
+
+
 def summarize_timeline(marks: list) -> dict:
     """Mean milliseconds per model step: the forward pass's span, its attention (summed over
     layers) and the rest, and the time from the previous step's forward end (``between``). Steps
@@ -158,10 +180,10 @@ def main(argv=None) -> None:
     model = TreeModel.random(args.random_weights, device="cuda", dtype=torch.bfloat16)
     runs = []
 
-    def one(label, workload, strategy, *, timed=False, limit=None, eager=False):
+    def one(label, workload, strategy, *, timed=False, limit=None, eager=False, every=None):
         t0 = time.perf_counter()
         extra = {}
-        with ahead(limit), eager_attention(eager), timeline(timed, extra):
+        with ahead(limit), eager_attention(eager), timeline(timed, extra), flush_events(every):
             r = bench_workload(model, workload, strategy, steps=args.steps, windows=args.windows)
         row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}, **extra}
         row["probe_s"] = time.perf_counter() - t0
@@ -172,27 +194,13 @@ def main(argv=None) -> None:
               + ("".join(f"  {k}: fwd {v['forward']} = attn {v['attention']} + rest {v['rest']}, between {v['between']}"
                          for k, v in t.items()) if t else ""), flush=True)
 
-    empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache")
-    spec = "speculative-32"
-    one("first", spec, "auto", timed=True)
-    one("first", spec, "sequence", timed=True)
-    for w in ("fewshot-50", "tot-sorting", "tot-keyword"):
-        one("aging", w, "auto")
-    one("late", spec, "auto", timed=True)
-    one("late", spec, "sequence", timed=True)
-    empty_host_cache()
-    one("late host_empty", spec, "auto", timed=True)
-    one("late repeat", spec, "auto", timed=True)
-    one("late ahead1", spec, "auto", timed=True, limit=1)
-    one("late eager_attention", spec, "auto", timed=True, eager=True)
-    empty_host_cache()
-    one("late host_empty", spec, "auto")
-    empty_host_cache()
-    one("late host_empty", spec, "sequence")
-    for s in ("auto", "sequence"):
-        one("late", "tot-sorting", s, timed=True)
-        empty_host_cache()
-        one("late host_empty", "tot-sorting", s)
+    for w in ("speculative-32", "tot-sorting"):
+        for strategy in ("auto", "sequence"):
+            one("plain", w, strategy)
+            for every in (1, 4, 32, 0):
+                one(f"event every {every}", w, strategy, every=every)
+            one("timed", w, strategy, timed=True)
+            one("plain", w, strategy)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**provenance(), "steps": args.steps, "windows": args.windows, "runs": runs}, f, indent=1)
