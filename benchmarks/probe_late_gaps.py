@@ -116,19 +116,32 @@ def timeline(on: bool, out: dict):
 
 
 @contextlib.contextmanager
-def flush_events(every: int | None):
-    """Record a plain CUDA event (no timing) after every ``every``-th layer's attention (``0``: at
-    ``forward_begin`` and ``forward_end`` only; None: nothing)."""
+def between_layers(every: int | None, what: str = "event"):
+    """After every ``every``-th layer's attention (``0``: at ``forward_begin`` and ``forward_end``
+    only; None: never) do ``what``: record a plain CUDA ``event`` or a ``timing`` one, launch a
+    one-cycle ``kernel`` (``torch.cuda._sleep(1)``), or busy-wait 8 us on the ``host``."""
     if every is None:
         yield
         return
     original = TreeEngine._fire
 
+    def act():
+        if what == "event":
+            torch.cuda.Event().record()
+        elif what == "timing":
+            torch.cuda.Event(enable_timing=True).record()
+        elif what == "kernel":
+            torch.cuda._sleep(1)
+        else:
+            end = time.perf_counter() + 8e-6
+            while time.perf_counter() < end:
+                pass
+
     def fire(self, event, layer=-1):
         original(self, event, layer)
         if (event in ("forward_begin", "forward_end") if every == 0
                 else event == "attn_end" and layer % every == every - 1):
-            torch.cuda.Event().record()
+            act()
 
     TreeEngine._fire = fire
     try:
@@ -180,10 +193,10 @@ def main(argv=None) -> None:
     model = TreeModel.random(args.random_weights, device="cuda", dtype=torch.bfloat16)
     runs = []
 
-    def one(label, workload, strategy, *, timed=False, limit=None, eager=False, every=None):
+    def one(label, workload, strategy, *, timed=False, limit=None, eager=False, every=None, what="event"):
         t0 = time.perf_counter()
         extra = {}
-        with ahead(limit), eager_attention(eager), timeline(timed, extra), flush_events(every):
+        with ahead(limit), eager_attention(eager), timeline(timed, extra), between_layers(every, what):
             r = bench_workload(model, workload, strategy, steps=args.steps, windows=args.windows)
         row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}, **extra}
         row["probe_s"] = time.perf_counter() - t0
@@ -194,13 +207,12 @@ def main(argv=None) -> None:
               + ("".join(f"  {k}: fwd {v['forward']} = attn {v['attention']} + rest {v['rest']}, between {v['between']}"
                          for k, v in t.items()) if t else ""), flush=True)
 
-    for w in ("speculative-32", "tot-sorting"):
-        for strategy in ("auto", "sequence"):
-            one("plain", w, strategy)
-            for every in (1, 4, 32, 0):
-                one(f"event every {every}", w, strategy, every=every)
-            one("timed", w, strategy, timed=True)
-            one("plain", w, strategy)
+    for w, strategy in (("speculative-32", "sequence"), ("tot-sorting", "auto")):
+        one("plain", w, strategy)
+        for what, every in (("timing", 1), ("timing", 4), ("timing", 0), ("kernel", 1), ("host", 1),
+                            ("event", 1)):
+            one(f"{what} every {every}", w, strategy, every=every, what=what)
+        one("plain", w, strategy)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**provenance(), "steps": args.steps, "windows": args.windows, "runs": runs}, f, indent=1)
