@@ -72,10 +72,10 @@ class StepAttention:
 
     def for_step(self, q: torch.Tensor, out: torch.Tensor):
         e = self.engine
-        graph = None
-        if e._attn_graph is not None:
+        graph, runner = None, e._attn_graph
+        if runner is not None:
             try:
-                graph = e._attn_graph.capture(e.attention, q, out, self.plan)
+                graph = runner.capture(e.attention, q, out, self.plan)
             except RuntimeError as err:  # eager attention is always correct
                 log.warning("capturing the attention graph failed (%s); attention runs eagerly", err)
                 e._attn_graph = None
@@ -84,6 +84,6 @@ class StepAttention:
 
         def replay(layer: int) -> None:
             e._fire("attn_begin", layer)
-            graph.replay()
+            runner.replay(graph)
             e._fire("attn_end", layer)
         return replay
