@@ -1,22 +1,22 @@
-"""Probe: why back-to-back decode steps get slower later in a process.
+"""Probe: why back-to-back decode steps were slower than isolated ones, more so later in a process.
 
 Session 16 measured speculative t=32 (``auto``) at 5.88 ms a step when it ran first in a process and
 6.71 ms after three other workloads, with the same isolated GPU time (5.80 ms) in both places:
 the GPU has the work queued (the host runs several steps ahead) but leaves gaps between its
-operations. This runs, in one process, ``bench e2e``'s measurement (:func:`bench_workload`) of:
+operations. This runs ``bench e2e``'s measurement (:func:`bench_workload`) in one process: two
+aging workloads first (few-shot b=50, ToT keyword), then for speculative t=32 ``sequence`` and ToT
+sorting ``auto`` and ``sequence``:
 
-1. speculative-32 ``auto`` and ``sequence`` first;
-2. the aging workloads of that measurement (few-shot b=50, ToT sorting and keyword, ``auto``);
-3. speculative-32 ``auto`` again (profiled), then variants that each remove one suspect:
-   ``ahead1``: the host waits until the GPU has started the previous step before issuing the next
-   (at most one step queued ahead); ``eager_attention``: no per-step attention graph (each layer's
-   attention launched eagerly); ``host_empty``: torch's pinned-memory cache emptied first; and
-   a plain repeat (drift control);
-4. ToT sorting ``auto`` and ``sequence`` with and without ``ahead1``.
+* ``engine``: the engine as it is (a timing event after every attention-graph replay, e7bdb2a);
+* ``no barrier``: without that event (as before e7bdb2a), twice (drift control);
+* ``no barrier, timed``: instead CUDA events (with timing) around every forward pass and every
+  layer's attention, which also report where the time goes (``timeline``);
+* ``no barrier, <what> every <k>``: after every ``k``-th layer's attention (0: only around the
+  forward pass) a plain ``event``, a ``timing`` event, a one-cycle ``kernel`` or an 8 us ``host``
+  busy wait.
 
-Runs marked ``timed`` record CUDA events around every forward pass and every layer's attention,
-so that the extra back-to-back time can be placed: inside the forward (attention or the rest) or
-between two steps' forwards.
+Earlier versions (see ``benchmarks/NOTES.md``, session 17, and the commits in the result files)
+also held the host to one step ahead, ran attention eagerly and emptied torch's pinned-memory cache.
 
 Usage (H200)::
 
@@ -25,7 +25,6 @@ Usage (H200)::
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import time
@@ -43,49 +42,18 @@ KEYS = ("mean_step_ms", "median_step_ms", "gpu_step_ms", "isolated_gap", "idle_m
 
 
 @contextlib.contextmanager
-def ahead(limit: int | None):
-    """Make :meth:`TreeEngine.run` keep the host at most ``limit`` steps ahead of the GPU."""
-    if limit is None:
-        yield
-        return
-    original = TreeEngine.run
-
-    def run(self, controller, *, max_steps=None, on_step=None, schedule=None):
-        queued = collections.deque()
-
-        def throttled(step):
-            go = schedule(step) if schedule is not None else True
-            if go:
-                ev = torch.cuda.Event()
-                ev.record()  # the end of everything issued so far
-                queued.append(ev)
-                if len(queued) > limit:
-                    queued.popleft().synchronize()
-            return go
-        return original(self, controller, max_steps=max_steps, on_step=on_step, schedule=throttled)
-
-    TreeEngine.run = run
-    try:
-        yield
-    finally:
-        TreeEngine.run = original
-
-
-@contextlib.contextmanager
-def eager_attention(on: bool):
-    """Make the engine's per-step attention-graph capture fail, so attention runs eagerly."""
+def no_barrier(on: bool):
+    """Replay the attention graph without the timing event the engine records after it (the engine
+    before e7bdb2a)."""
     if not on:
         yield
         return
-    original = graphs_mod.AttentionGraph.capture
-
-    def capture(self, *a, **k):
-        raise RuntimeError("disabled by probe_late_gaps")
-    graphs_mod.AttentionGraph.capture = capture
+    original = graphs_mod.AttentionGraph.replay
+    graphs_mod.AttentionGraph.replay = lambda self, graph: graph.replay()
     try:
         yield
     finally:
-        graphs_mod.AttentionGraph.capture = original
+        graphs_mod.AttentionGraph.replay = original
 
 
 @contextlib.contextmanager
@@ -193,10 +161,10 @@ def main(argv=None) -> None:
     model = TreeModel.random(args.random_weights, device="cuda", dtype=torch.bfloat16)
     runs = []
 
-    def one(label, workload, strategy, *, timed=False, limit=None, eager=False, every=None, what="event"):
+    def one(label, workload, strategy, *, timed=False, barrier=True, every=None, what="event"):
         t0 = time.perf_counter()
         extra = {}
-        with ahead(limit), eager_attention(eager), timeline(timed, extra), between_layers(every, what):
+        with no_barrier(not barrier), timeline(timed, extra), between_layers(every, what):
             r = bench_workload(model, workload, strategy, steps=args.steps, windows=args.windows)
         row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}, **extra}
         row["probe_s"] = time.perf_counter() - t0
@@ -207,12 +175,16 @@ def main(argv=None) -> None:
               + ("".join(f"  {k}: fwd {v['forward']} = attn {v['attention']} + rest {v['rest']}, between {v['between']}"
                          for k, v in t.items()) if t else ""), flush=True)
 
-    for w, strategy in (("speculative-32", "sequence"), ("tot-sorting", "auto")):
-        one("plain", w, strategy)
-        for what, every in (("timing", 1), ("timing", 4), ("timing", 0), ("kernel", 1), ("host", 1),
-                            ("event", 1)):
-            one(f"{what} every {every}", w, strategy, every=every, what=what)
-        one("plain", w, strategy)
+    for w in ("fewshot-50", "tot-keyword"):
+        one("aging", w, "auto")
+    for w, strategy in (("speculative-32", "sequence"), ("tot-sorting", "auto"), ("tot-sorting", "sequence")):
+        one("engine", w, strategy)
+        one("no barrier", w, strategy, barrier=False)
+        one("no barrier, timed", w, strategy, barrier=False, timed=True)
+        for what, every in (("timing", 1), ("timing", 0), ("kernel", 1), ("event", 1), ("host", 1)):
+            one(f"no barrier, {what} every {every}", w, strategy, barrier=False, every=every, what=what)
+        one("no barrier", w, strategy, barrier=False)
+        one("engine", w, strategy)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**provenance(), "steps": args.steps, "windows": args.windows, "runs": runs}, f, indent=1)
