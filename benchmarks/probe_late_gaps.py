@@ -15,6 +15,9 @@ sorting ``auto`` and ``sequence``:
   forward pass) a plain ``event``, a ``timing`` event, a one-cycle ``kernel`` or an 8 us ``host``
   busy wait.
 
+With ``--placement``: the engine against the engine with a timing event also before every
+attention replay (after the decode graph), and against that event alone.
+
 Earlier versions (see ``benchmarks/NOTES.md``, session 17, and the commits in the result files)
 also held the host to one step ahead, ran attention eagerly and emptied torch's pinned-memory cache.
 
@@ -84,10 +87,11 @@ def timeline(on: bool, out: dict):
 
 
 @contextlib.contextmanager
-def between_layers(every: int | None, what: str = "event"):
-    """After every ``every``-th layer's attention (``0``: at ``forward_begin`` and ``forward_end``
-    only; None: never) do ``what``: record a plain CUDA ``event`` or a ``timing`` one, launch a
-    one-cycle ``kernel`` (``torch.cuda._sleep(1)``), or busy-wait 8 us on the ``host``."""
+def between_layers(every: int | None, what: str = "event", where: str = "attn_end"):
+    """After every ``every``-th layer's attention (``where="attn_begin"``: before it, after the
+    decode graph; ``every=0``: at ``forward_begin`` and ``forward_end`` only; None: never) do
+    ``what``: record a plain CUDA ``event`` or a ``timing`` one, launch a one-cycle ``kernel``
+    (``torch.cuda._sleep(1)``), or busy-wait 8 us on the ``host``."""
     if every is None:
         yield
         return
@@ -108,7 +112,7 @@ def between_layers(every: int | None, what: str = "event"):
     def fire(self, event, layer=-1):
         original(self, event, layer)
         if (event in ("forward_begin", "forward_end") if every == 0
-                else event == "attn_end" and layer % every == every - 1):
+                else event == where and layer % every == every - 1):
             act()
 
     TreeEngine._fire = fire
@@ -156,15 +160,17 @@ def main(argv=None) -> None:
     ap.add_argument("--random-weights", default="llama3-8b")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--placement", action="store_true",
+                    help="instead: the engine's barrier against one before each attention replay too")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     model = TreeModel.random(args.random_weights, device="cuda", dtype=torch.bfloat16)
     runs = []
 
-    def one(label, workload, strategy, *, timed=False, barrier=True, every=None, what="event"):
+    def one(label, workload, strategy, *, timed=False, barrier=True, every=None, what="event", where="attn_end"):
         t0 = time.perf_counter()
         extra = {}
-        with no_barrier(not barrier), timeline(timed, extra), between_layers(every, what):
+        with no_barrier(not barrier), timeline(timed, extra), between_layers(every, what, where):
             r = bench_workload(model, workload, strategy, steps=args.steps, windows=args.windows)
         row = {"label": label, "workload": workload, "strategy": strategy, **{k: r[k] for k in KEYS}, **extra}
         row["probe_s"] = time.perf_counter() - t0
@@ -177,14 +183,24 @@ def main(argv=None) -> None:
 
     for w in ("fewshot-50", "tot-keyword"):
         one("aging", w, "auto")
-    for w, strategy in (("speculative-32", "sequence"), ("tot-sorting", "auto"), ("tot-sorting", "sequence")):
-        one("engine", w, strategy)
-        one("no barrier", w, strategy, barrier=False)
-        one("no barrier, timed", w, strategy, barrier=False, timed=True)
-        for what, every in (("timing", 1), ("timing", 0), ("kernel", 1), ("event", 1), ("host", 1)):
-            one(f"no barrier, {what} every {every}", w, strategy, barrier=False, every=every, what=what)
-        one("no barrier", w, strategy, barrier=False)
-        one("engine", w, strategy)
+    if args.placement:
+        for w, strategy in (("tot-sorting", "auto"), ("tot-sorting", "sequence"), ("tot-keyword", "auto"),
+                            ("speculative-64", "auto")):
+            one("engine", w, strategy)
+            one("engine + timing before attention", w, strategy, every=1, what="timing", where="attn_begin")
+            one("no barrier, timing before attention", w, strategy, barrier=False, every=1, what="timing",
+                where="attn_begin")
+            one("engine, timed", w, strategy, timed=True)
+            one("engine", w, strategy)
+    else:
+        for w, strategy in (("speculative-32", "sequence"), ("tot-sorting", "auto"), ("tot-sorting", "sequence")):
+            one("engine", w, strategy)
+            one("no barrier", w, strategy, barrier=False)
+            one("no barrier, timed", w, strategy, barrier=False, timed=True)
+            for what, every in (("timing", 1), ("timing", 0), ("kernel", 1), ("event", 1), ("host", 1)):
+                one(f"no barrier, {what} every {every}", w, strategy, barrier=False, every=every, what=what)
+            one("no barrier", w, strategy, barrier=False)
+            one("engine", w, strategy)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**provenance(), "steps": args.steps, "windows": args.windows, "runs": runs}, f, indent=1)
