@@ -306,6 +306,47 @@ def test_layer_stride_matches_the_pool_layout_and_step_attention_falls_back_to_e
         assert torch.equal(out, want)
 
 
+def test_step_attention_replays_through_the_attention_graph_runner():
+    """With an attention-graph runner, ``for_step`` captures once per step and every layer replays
+    through ``runner.replay`` (which records the barrier event after each replay on a GPU), between
+    the layer's ``attn_begin`` and ``attn_end`` hooks. The runner here is a stand-in that attends
+    eagerly (CPU has no CUDA graphs)."""
+    from treeattn import DecodingTree
+
+    eng = TreeEngine(TreeModel.random("tiny", device="cpu"), kv_tokens=256)
+    c = eng.model.config
+    tree = DecodingTree.from_parents([-1, 0, 0], [7, 3, 2], page_size=eng.pool.page_size,
+                                     num_slots=eng.pool.num_slots)
+    plan = eng.attention.plan(tree, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                              head_dim=c.head_dim, dtype=eng.model.dtype)
+    calls = []
+
+    class Runner:
+        def capture(self, attention, q, out, plan_):
+            calls.append("capture")
+            self.q, self.out, self.layer = q, out, 0
+            return "graph"
+
+        def replay(self, graph):
+            calls.append(("replay", graph, self.layer))
+            eng.attention.run(self.q, *eng._paged[self.layer], plan, out=self.out)
+            self.layer += 1
+
+    eng._attn_graph = Runner()
+    eng.hook = lambda event, layer: calls.append((event, layer))
+    q = torch.randn(tree.num_queries, c.num_heads, c.head_dim, dtype=eng.model.dtype)
+    out = torch.empty_like(q)
+    step = eng._attend_fn(plan).for_step(q, out)
+    for layer in range(eng.pool.num_layers):
+        step(layer)
+        want = eng.attention.run(q, *eng._paged[layer], plan)
+        assert torch.equal(out, want)
+    expect = ["capture"]
+    for layer in range(eng.pool.num_layers):
+        expect += [("attn_begin", layer), ("replay", "graph", layer), ("attn_end", layer)]
+    assert calls == expect
+
+
 def test_auto_decision_is_reused_across_similar_batches_and_not_across_sharing():
     """A serving batch that gains or loses a request keeps auto's choice (same powers of two of
     nodes, queries, tokens and sharing); a batch whose queries share much more decides again."""
