@@ -50,6 +50,10 @@ class TreeAttention:
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
         them one after another. Destroying a graph with side-stream branches waits for its
         queued replays, so code that captures ``run()`` every step (the engine) uses 0.
+    pdl : bool
+        Run a plan's launches and its merge as programmatic dependent launches on one stream
+        (CUDA devices of compute capability 9.0 or later, ``streams=0``): each launch starts
+        while the one before finishes (see :func:`treeattn.ops.partial_attention`).
 
     Examples
     --------
@@ -60,7 +64,7 @@ class TreeAttention:
     """
 
     def __init__(self, workspace: torch.Tensor | None = None, *, device=None, backend: str = "auto",
-                 cost: CostModel | None = None, streams: int = 3):
+                 cost: CostModel | None = None, streams: int = 3, pdl: bool = False):
         if workspace is not None:
             if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32:
                 raise TypeError("workspace must be a float32 torch.Tensor")
@@ -74,6 +78,11 @@ class TreeAttention:
             raise ValueError(f"streams must be >= 0, got {streams}")
         self._streams = (tuple(torch.cuda.Stream(self.device) for _ in range(streams))
                          if self.backend == "triton" and self.device.type == "cuda" else ())
+        if pdl and (streams or self.backend != "triton" or self.device.type != "cuda"
+                    or torch.cuda.get_device_capability(self.device)[0] < 9):
+            raise ValueError("pdl needs the triton backend on a CUDA device of compute capability 9.0 "
+                             "or later, and streams=0")
+        self.pdl = bool(pdl)
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:
@@ -185,9 +194,10 @@ class TreeAttention:
             # host time than the launches' overlap saves (benchmarks/NOTES.md)
             streams = self._streams if self._streams and torch.cuda.is_current_stream_capturing() else ()
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                              lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride)
+                              lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
+                              pdl=self.pdl)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
-                           plan.merge_indices, out, lse)
+                           plan.merge_indices, out, lse, pdl=self.pdl)
         return (out, lse) if return_lse else out
 
 

@@ -72,7 +72,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                       streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
-                      layer_stride: int = 0) -> None:
+                      layer_stride: int = 0, pdl: bool = False) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan``.
 
     Writes ``o_part [R, Hq, D]`` (``plan.heads.partial_dtype``) and ``lse_part [R, Hq]`` (fp32,
@@ -88,6 +88,12 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     joined back into the current stream, so launches of different tile shapes run side by side
     (PAT's multi-stream forward; a CUDA graph captures them as parallel branches). The first
     launch is the tallest with ``plan.tall_first``, else the shortest.
+
+    With ``pdl`` (CUDA, compute capability 9.0 or later, no ``streams``) the launches are
+    programmatic dependent launches: each one after the first starts once every program of the
+    one before has started, and they finish in order (see the kernel), so they overlap on one
+    stream as on side streams. The next kernel on the stream must be a
+    :func:`merge_partials` with ``pdl`` or an ordinary launch.
     """
     _check_triton_device(q)
     h = plan.heads
@@ -105,18 +111,21 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
+    if pdl and (side or q.device.type != "cuda"):
+        raise ValueError("pdl needs CUDA tensors and no side streams")
+    pdl_args = {"PDL": True, "launch_pdl": True} if pdl else {}
     main = torch.cuda.current_stream(q.device) if side else None
     for stream in side:  # fork before anything is queued on the main stream
         stream.wait_stream(main)
 
-    def launch_group(launch) -> None:
+    def launch_group(launch, first: bool) -> None:
         units = launch.work_end - launch.work_start
         grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
         _tree_partial_attention_kernel[grid](
             q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
-            launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride,
+            launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride, int(first),
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -127,15 +136,15 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
-            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args,
         )
 
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
         if i == 0 or not side:
-            launch_group(launch)
+            launch_group(launch, i == 0)
         else:
             with torch.cuda.stream(side[(i - 1) % len(side)]):
-                launch_group(launch)
+                launch_group(launch, False)
     for stream in side:  # join: the merge (and the caller) see every launch's rows
         main.wait_stream(stream)
 
@@ -143,11 +152,13 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
                    lse_out: torch.Tensor | None, *, block_h: int | None = None,
-                   num_warps: int | None = None) -> None:
+                   num_warps: int | None = None, pdl: bool = False) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
     ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``block_h`` (heads per program, a
-    power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py)."""
+    power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py).
+    With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
+    launch that waits for the partial rows on the device."""
     _check_triton_device(o_part)
     for name, t in (("merge_q_indices", merge_q_indices), ("merge_indptr", merge_indptr),
                     ("merge_indices", merge_indices)):
@@ -168,7 +179,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
-        num_warps=num_warps or 4,
+        num_warps=num_warps or 4, **({"PDL": True, "launch_pdl": True} if pdl else {}),
     )
 
 
@@ -187,10 +198,11 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, 
     return block_h, 4
 
 
-def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
+def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False) -> int:
     """Launch every partial-attention variant (query-tile height x KV tile x tree mask x direct
     output x grid order x mask split x slot addressing) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
     now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
+    ``pdl``: the variants :func:`partial_attention` and :func:`merge_partials` launch with ``pdl``.
 
     Returns the number of launches made.
     """
@@ -221,7 +233,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
                                                                 heads_inner=inner, mask_split=split,
                                                                 contig=contig, split_tail=tail),),
                                          num_direct=direct)
-            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out)
+            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl)
             launches += 1
     cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
     for block_h in (1 << k for k in range(cap.bit_length())):
@@ -231,7 +243,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device) -> int:
         idx = torch.arange(n + 1, dtype=torch.int32, device=device)
         out = torch.empty(n, hq, d, device=device, dtype=dt)
         for lse in (None, torch.empty(n, hq, device=device)):
-            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse)
+            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, pdl=pdl)
             launches += 1
     return launches
 

@@ -61,7 +61,7 @@ class TreeEngine:
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool = False):
+                 tune: bool = False, pdl: bool = False):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -77,7 +77,7 @@ class TreeEngine:
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued
         # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
-        self.attention = TreeAttention(device=model.device, backend=backend, streams=0)
+        self.attention = TreeAttention(device=model.device, backend=backend, streams=0, pdl=pdl)
         # (its cost model rates launches one after another, as they run)
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh,
@@ -353,7 +353,7 @@ class TreeEngine:
             if self._workspace is None or self._workspace.numel() < need:
                 self._workspace = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=self.device)
                 self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend,
-                                               streams=0)
+                                               streams=0, pdl=self.attention.pdl)
 
     def _attend_fn(self, plan):
         return StepAttention(self, plan)
@@ -378,7 +378,8 @@ class TreeEngine:
         the torch backend."""
         if self.attention.backend != "triton":
             return 0
-        return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device)
+        return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device,
+                          pdl=self.attention.pdl)
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each

@@ -81,13 +81,13 @@ def _attend_tile(
 
 
 # work_offset (the launch's first work unit) takes any value: specialising on it (== 1, multiple
-# of 16) would compile new variants in the middle of decoding
-@triton.jit(do_not_specialize=["work_offset"])
+# of 16) would compile new variants in the middle of decoding (pdl_first: two variants for one)
+@triton.jit(do_not_specialize=["work_offset", "pdl_first"])
 def _tree_partial_attention_kernel(
     Q, K, V, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
     mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
-    work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer,
+    work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer, pdl_first,
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
@@ -97,6 +97,7 @@ def _tree_partial_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -112,7 +113,18 @@ def _tree_partial_attention_kernel(
     With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
     they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
     all have one row needs no merge launch.
+
+    With ``PDL`` (launched as a programmatic dependent launch, Hopper and later), the next
+    launch on the stream may start once every program of this one has started. A plan's first
+    launch (``pdl_first``) waits for its predecessor (which wrote ``Q`` and the caches) before
+    letting the next one start; the others read only what that predecessor's predecessors wrote,
+    so they run beside it and wait for it only before they exit: every launch then finishes
+    after the one before it, and the merge's wait covers them all.
     """
+    if PDL:
+        if pdl_first:
+            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     if HEADS_INNER:
         # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
         # rows (contiguous in the cache) at about the same time
@@ -212,6 +224,8 @@ def _tree_partial_attention_kernel(
     tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
              o.to(O_part.dtype.element_ty), mask=to_part[:, None] & d_valid[None, :])
     tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -221,10 +235,13 @@ def _merge_states_kernel(
     stride_pn, stride_ph, stride_pln,
     stride_on, stride_oh, stride_ln,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program = one output row (query ``merge_q_indices[program]``) x BLOCK_H heads:
-    log-sum-exp merge of its partial states, in the order of the merge map (deterministic)."""
+    log-sum-exp merge of its partial states, in the order of the merge map (deterministic).
+
+    With ``PDL`` (a programmatic dependent launch after the attention launches), it reads its
+    part of the merge map while they finish and waits for them before reading their rows."""
     n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -232,6 +249,8 @@ def _merge_states_kernel(
     hd_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
     start = tl.load(merge_indptr + n)
     end = tl.load(merge_indptr + n + 1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
