@@ -59,7 +59,8 @@ def main():
                 entry = {"strategy": plan.strategy, "launches": len(plan.launches),
                          "merged": int(plan.merge_q_indices.numel())}
                 for mode, kw in MODES.items():
-                    w = TreeAttention(device="cuda", **kw)
+                    ws = torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda")
+                    w = TreeAttention(ws, **kw)
                     out = torch.empty_like(q)
                     entry[mode] = time_graph(w, plan, q, k, v, out)
                     torch.cuda.synchronize()
