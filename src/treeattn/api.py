@@ -44,7 +44,7 @@ class TreeAttention:
         otherwise.
     cost : CostModel, optional
         Cost model for the balancing planners and ``auto`` (default: ``CostModel()``, with
-        ``side_streams=False`` when ``streams`` is 0).
+        ``side_streams=False`` when ``streams`` is 0 without ``pdl``).
     streams : int
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
@@ -71,7 +71,8 @@ class TreeAttention:
             device = workspace.device if device is None else device
         self.device = torch.device(device if device is not None else "cpu")
         self.backend = _resolve_backend(backend, self.device)
-        self.cost = cost or CostModel(side_streams=streams > 0)
+        # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
+        self.cost = cost or CostModel(side_streams=streams > 0 or bool(pdl))
         self._workspace = workspace
         self._owns_workspace = workspace is None
         if streams < 0:
