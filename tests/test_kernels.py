@@ -303,6 +303,11 @@ def test_pdl_needs_a_hopper_gpu_and_one_stream():
     streams, asking for them is an error rather than a silent fallback."""
     with pytest.raises(ValueError, match="pdl"):
         TreeAttention(device="cpu", backend="triton", pdl=True)
+    assert not TreeAttention(device="cpu", backend="triton", streams=0, pdl=None).pdl  # (where supported)
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert TreeAttention(device="cuda", streams=0, pdl=None).pdl == hopper
+        assert not TreeAttention(device="cuda", streams=3, pdl=None).pdl
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="streams=0"):
             TreeAttention(device="cuda", streams=2, pdl=True)

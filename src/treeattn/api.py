@@ -50,10 +50,11 @@ class TreeAttention:
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
         them one after another. Destroying a graph with side-stream branches waits for its
         queued replays, so code that captures ``run()`` every step (the engine) uses 0.
-    pdl : bool
+    pdl : bool or None
         Run a plan's launches and its merge as programmatic dependent launches on one stream
         (CUDA devices of compute capability 9.0 or later, ``streams=0``): each launch starts
-        while the one before finishes (see :func:`treeattn.ops.partial_attention`).
+        while the one before finishes (see :func:`treeattn.ops.partial_attention`). None: where
+        supported.
 
     Examples
     --------
@@ -64,26 +65,27 @@ class TreeAttention:
     """
 
     def __init__(self, workspace: torch.Tensor | None = None, *, device=None, backend: str = "auto",
-                 cost: CostModel | None = None, streams: int = 3, pdl: bool = False):
+                 cost: CostModel | None = None, streams: int = 3, pdl: bool | None = False):
         if workspace is not None:
             if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32:
                 raise TypeError("workspace must be a float32 torch.Tensor")
             device = workspace.device if device is None else device
         self.device = torch.device(device if device is not None else "cpu")
         self.backend = _resolve_backend(backend, self.device)
-        # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
-        self.cost = cost or CostModel(side_streams=streams > 0 or bool(pdl))
         self._workspace = workspace
         self._owns_workspace = workspace is None
         if streams < 0:
             raise ValueError(f"streams must be >= 0, got {streams}")
         self._streams = (tuple(torch.cuda.Stream(self.device) for _ in range(streams))
                          if self.backend == "triton" and self.device.type == "cuda" else ())
-        if pdl and (streams or self.backend != "triton" or self.device.type != "cuda"
-                    or torch.cuda.get_device_capability(self.device)[0] < 9):
+        supported = (not streams and self.backend == "triton" and self.device.type == "cuda"
+                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        if pdl and not supported:
             raise ValueError("pdl needs the triton backend on a CUDA device of compute capability 9.0 "
                              "or later, and streams=0")
-        self.pdl = bool(pdl)
+        self.pdl = supported if pdl is None else bool(pdl)
+        # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
+        self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl)
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:

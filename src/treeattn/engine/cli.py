@@ -41,8 +41,9 @@ def add_model_args(p, default_random=None) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode forward eagerly")
     p.add_argument("--tune", action="store_true",
                    help="auto: time the cost model's near-best strategies and keep the fastest per tree shape")
-    p.add_argument("--pdl", action="store_true",
-                   help="attention launches as programmatic dependent launches (CUDA, Hopper and later)")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="plain attention launches instead of programmatic dependent ones (on by default on "
+                        "Hopper and later GPUs)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
 
@@ -124,7 +125,8 @@ def load_model(args) -> TreeModel:
 
 def _engine_kw(args) -> dict:
     return {"page_size": args.page_size, "kv_tokens": args.kv_tokens, "window": args.window,
-            "cuda_graphs": False if args.no_cuda_graphs else None, "tune": args.tune, "pdl": args.pdl}
+            "cuda_graphs": False if args.no_cuda_graphs else None, "tune": args.tune,
+            "pdl": False if args.no_pdl else None}
 
 
 def _init_ranks(args) -> tuple[int, int]:

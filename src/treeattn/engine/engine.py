@@ -51,6 +51,10 @@ class TreeEngine:
         the fastest per tree shape (:mod:`treeattn.engine.tuning`). Off (default): the cost
         model's estimate decides. Measured neutral on ``bench e2e`` (H200, benchmarks/NOTES.md
         session 8), whose short windows rarely let a trial finish.
+    pdl : bool or None
+        Attention launches as programmatic dependent launches (:class:`~treeattn.TreeAttention`);
+        None (default): on Hopper and later GPUs with the Triton backend. Measured on an H200
+        (``bench e2e``, benchmarks/NOTES.md session 18): ``auto``'s attention 5-17% faster a step.
     synchronize : bool
         Wait for the device after every step (accurate per-step wall times, no overlap).
     keep_reserved : bool
@@ -61,7 +65,7 @@ class TreeEngine:
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool = False, pdl: bool = False):
+                 tune: bool = False, pdl: bool | None = None):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
