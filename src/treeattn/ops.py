@@ -68,6 +68,11 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
 
 
+def _pdl_kwargs(pdl: bool) -> dict:
+    """Launch options of a programmatic dependent launch (the kernels' ``PDL`` branches included)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
@@ -113,7 +118,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
     if pdl and (side or q.device.type != "cuda"):
         raise ValueError("pdl needs CUDA tensors and no side streams")
-    pdl_args = {"PDL": True, "launch_pdl": True} if pdl else {}
+    pdl_args = _pdl_kwargs(pdl)
     main = torch.cuda.current_stream(q.device) if side else None
     for stream in side:  # fork before anything is queued on the main stream
         stream.wait_stream(main)
@@ -179,7 +184,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         o_part.stride(0), o_part.stride(1), lse_part.stride(0),
         out.stride(0), out.stride(1), lse_arg.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
-        num_warps=num_warps or 4, **({"PDL": True, "launch_pdl": True} if pdl else {}),
+        num_warps=num_warps or 4, **_pdl_kwargs(pdl),
     )
 
 

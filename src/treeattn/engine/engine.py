@@ -54,7 +54,7 @@ class TreeEngine:
     pdl : bool or None
         Attention launches as programmatic dependent launches (:class:`~treeattn.TreeAttention`);
         None (default): on Hopper and later GPUs with the Triton backend. Measured on an H200
-        (``bench e2e``, benchmarks/NOTES.md session 18): ``auto``'s attention 5-17% faster a step.
+        (``bench e2e``, benchmarks/NOTES.md session 18): ``auto``'s attention 4.6-17% less time a step.
     synchronize : bool
         Wait for the device after every step (accurate per-step wall times, no overlap).
     keep_reserved : bool
@@ -82,7 +82,7 @@ class TreeEngine:
         # no side streams: destroying a graph with side-stream branches waits for its queued
         # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
         self.attention = TreeAttention(device=model.device, backend=backend, streams=0, pdl=pdl)
-        # (its cost model rates launches one after another, as they run)
+        # (its cost model rates launches one after another without PDL, overlapping with it)
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh,
                                    tuner=tuner, cost=self.attention.cost)

@@ -1,7 +1,8 @@
 """Measured ``auto`` in the engine: an autotuner over the cost model's near-best strategies.
 
 The cost model was fitted on kernel-benchmark timings whose launches overlap on side streams; in
-the engine they run one after another in a CUDA graph replayed for every layer, and close calls
+the engine they run in a CUDA graph replayed for every layer, on one stream (one after another, or
+overlapping as programmatic dependent launches on Hopper), and close calls
 can go the wrong way (Tree-of-Thoughts sorting on an H200: ``node_chunk`` rated 4-7% faster than
 ``sequence``, measured ~2.5 us a layer slower). So when ``auto`` decides for a new shape key (see
 :class:`~treeattn.engine.planning.StepPlanner`), the strategies it rates within ``margin`` of its
