@@ -44,7 +44,7 @@ class TreeAttention:
         otherwise.
     cost : CostModel, optional
         Cost model for the balancing planners and ``auto`` (default: ``CostModel()``, with
-        ``side_streams=False`` when ``streams`` is 0 without ``pdl``).
+        ``side_streams=False`` when ``streams`` is 0 without ``pdl``, and ``tma`` as resolved).
     streams : int
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
@@ -55,6 +55,11 @@ class TreeAttention:
         (CUDA devices of compute capability 9.0 or later, ``streams=0``): each launch starts
         while the one before finishes (see :func:`treeattn.ops.partial_attention`). None: where
         supported.
+    tma : bool or None
+        Tall launches over long runs of consecutive slots load K/V through tensor descriptors
+        (Hopper's TMA; 16-bit caches; :func:`treeattn.plan.addressing.tma_launches`). None: on
+        CUDA devices of compute capability 9.0 or later. Ignored when ``cost`` is given (its
+        ``tma`` decides).
 
     Examples
     --------
@@ -65,7 +70,8 @@ class TreeAttention:
     """
 
     def __init__(self, workspace: torch.Tensor | None = None, *, device=None, backend: str = "auto",
-                 cost: CostModel | None = None, streams: int = 3, pdl: bool | None = False):
+                 cost: CostModel | None = None, streams: int = 3, pdl: bool | None = False,
+                 tma: bool | None = None):
         if workspace is not None:
             if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32:
                 raise TypeError("workspace must be a float32 torch.Tensor")
@@ -78,14 +84,18 @@ class TreeAttention:
             raise ValueError(f"streams must be >= 0, got {streams}")
         self._streams = (tuple(torch.cuda.Stream(self.device) for _ in range(streams))
                          if self.backend == "triton" and self.device.type == "cuda" else ())
-        supported = (not streams and self.backend == "triton" and self.device.type == "cuda"
-                     and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        hopper = (self.backend == "triton" and self.device.type == "cuda"
+                  and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        supported = not streams and hopper
         if pdl and not supported:
             raise ValueError("pdl needs the triton backend on a CUDA device of compute capability 9.0 "
                              "or later, and streams=0")
         self.pdl = supported if pdl is None else bool(pdl)
+        if tma and self.device.type == "cuda" and not hopper:
+            raise ValueError("tma needs the triton backend on a CUDA device of compute capability 9.0 or later")
         # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
-        self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl)
+        self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl,
+                                      tma=hopper if tma is None else bool(tma))
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:

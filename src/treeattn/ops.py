@@ -13,9 +13,16 @@ from collections.abc import Sequence
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
-from treeattn.plan.addressing import SPLIT_TAIL_ROWS, contig_configs, gathered_configs
+from treeattn.plan.addressing import (
+    SPLIT_TAIL_ROWS,
+    TALL_CONTIG_ROWS,
+    TILE_TALL_TMA,
+    contig_configs,
+    gathered_configs,
+)
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
@@ -73,6 +80,28 @@ def _pdl_kwargs(pdl: bool) -> dict:
     return {"PDL": True, "launch_pdl": True} if pdl else {}
 
 
+def _tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride: int,
+                     block_n: int) -> tuple | None:
+    """Tensor descriptors (K, V) over the caches' slots for :attr:`Launch.tma` launches: 2-D
+    ``[rows, Hkv * D]``, one row a slot, from ``k_cache``'s first slot to the end of its storage
+    (so every layer ``layer_stride`` elements on is inside), ``[block_n, D]`` boxes. None where the
+    layout does not allow it (the launch then loads through pointers, with the same result):
+    slots not evenly strided across pages, heads not adjacent, strides or bases not 16-byte
+    aligned, layers not a whole number of slots apart, or K and V strided differently."""
+    _, page_size, hkv, d = k_cache.shape
+    sp, ss, sh, _ = k_cache.stride()
+    eb = k_cache.element_size()
+    if (v_cache.stride() != k_cache.stride() or sh != d or sp != page_size * ss or (ss * eb) % 16
+            or layer_stride % ss or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
+        return None
+    descs = []
+    for t in (k_cache, v_cache):
+        avail = t.untyped_storage().nbytes() // eb - t.storage_offset()
+        rows = (avail - hkv * d) // ss + 1
+        descs.append(TensorDescriptor(t, [rows, hkv * d], [ss, 1], [block_n, d]))
+    return tuple(descs)
+
+
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
@@ -93,6 +122,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     joined back into the current stream, so launches of different tile shapes run side by side
     (PAT's multi-stream forward; a CUDA graph captures them as parallel branches). The first
     launch is the tallest with ``plan.tall_first``, else the shortest.
+
+    Launches with :attr:`~treeattn.plan.plan.Launch.tma` read K/V through tensor descriptors
+    (:func:`_tma_descriptors`) where the caches' layout allows, through pointers otherwise.
 
     With ``pdl`` (CUDA, compute capability 9.0 or later, no ``streams``) the launches are
     programmatic dependent launches: each one after the first starts once every program of the
@@ -126,8 +158,10 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     def launch_group(launch, first: bool) -> None:
         units = launch.work_end - launch.work_start
         grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
+        descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
+                 if launch.tma and launch.contig and h.head_dim == block_d else None)
         _tree_partial_attention_kernel[grid](
-            q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg,
+            q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
             launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride, int(first),
@@ -141,7 +175,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args,
+            TMA=descs is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args,
         )
 
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
@@ -203,11 +237,14 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, 
     return block_h, 4
 
 
-def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False) -> int:
+def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
+               tma: bool = False) -> int:
     """Launch every partial-attention variant (query-tile height x KV tile x tree mask x direct
     output x grid order x mask split x slot addressing) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
     now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
     ``pdl``: the variants :func:`partial_attention` and :func:`merge_partials` launch with ``pdl``.
+    ``tma``: the plans may take :func:`~treeattn.plan.addressing.tma_launches`
+    (:func:`~treeattn.plan.addressing.tma_loads`).
 
     Returns the number of launches made.
     """
@@ -225,18 +262,21 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False) 
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        # contig launches may run one pipeline stage less, tall ones another tile, gathered 32-row
-        # ones two warps, unmasked tall ones the split tail (plan.addressing)
+        # contig launches may run one pipeline stage less, tall ones another tile (through tensor
+        # descriptors with ``tma``, always with the split tail), gathered 32-row ones two warps,
+        # unmasked tall ones the split tail (plan.addressing)
         configs = [cfg for shape in launch_shapes(heads)
-                   for cfg in [(shape[0], *c, False) for c in gathered_configs(*shape)]
-                   + [(shape[0], *c, True) for c in contig_configs(*shape)]]
-        for (m, n, warps, stages, contig), direct, inner, split, tail in itertools.product(
+                   for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape)]
+                   + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
+                   + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
+        for (m, n, warps, stages, contig, tma_), direct, inner, split, tail in itertools.product(
                 configs, (0, plan.num_direct), (False, True), (False, True), (False, True)):
-            if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)):
+            if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
+                    or (tma_ and not tail):
                 continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
                                                                 heads_inner=inner, mask_split=split,
-                                                                contig=contig, split_tail=tail),),
+                                                                contig=contig, split_tail=tail, tma=tma_),),
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl)
             launches += 1

@@ -38,7 +38,7 @@ def case_inputs(tree, hq: int, hkv: int) -> tuple:
 
 
 def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict, *,
-               streams: int = 3, pdl: bool = False) -> dict:
+               streams: int = 3, pdl: bool = False, tma: bool | None = None) -> dict:
     tree = tree_from_spec(spec)
     dev = torch.device("cuda")
     q, k, v, out = case_inputs(tree, hq, hkv)
@@ -46,7 +46,7 @@ def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, ancho
            "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bandwidth),
            "us": {}, "graph_us": {}, "plan_ms": {}}
     for s in strategies:
-        w = TreeAttention(device=dev, streams=streams, pdl=pdl)
+        w = TreeAttention(device=dev, streams=streams, pdl=pdl, tma=tma)
         t0 = time.perf_counter()
         plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy=s)
         row["plan_ms"][s] = (time.perf_counter() - t0) * 1e3
@@ -131,10 +131,10 @@ def run(args) -> int:
     rows = []
     for spec, hq, hkv in track(cases, description="bench kernels"):
         rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors, streams=args.streams,
-                               pdl=args.pdl))
+                               pdl=args.pdl, tma=False if args.no_tma else None))
         torch.cuda.empty_cache()
     result = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16",
-              "head_dim": HEAD_DIM, "streams": args.streams, "pdl": args.pdl, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
+              "head_dim": HEAD_DIM, "streams": args.streams, "pdl": args.pdl, "tma": not args.no_tma, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
               "CUDA-graph replay of run()", "rows": rows, "summary": summarize(rows)}
     console = Console(width=200)
     table = Table("tree", "heads", "req", "tokens", "roof us", *[f"{s} us (x)" for s in strategies],
@@ -167,6 +167,8 @@ def add_parser(subparsers) -> None:
                    help="side streams for a plan's launches of different tile shapes (0: serial)")
     p.add_argument("--pdl", action="store_true",
                    help="programmatic dependent launches on one stream (needs --streams 0)")
+    p.add_argument("--no-tma", action="store_true",
+                   help="load K/V through pointers only (no tensor descriptors on Hopper)")
     p.add_argument("--out", default="benchmarks/results/h200_kernels.json")
     p.add_argument("--plot", default="benchmarks/results/h200_kernels.png")
     p.set_defaults(func=run)

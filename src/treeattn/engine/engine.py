@@ -22,6 +22,7 @@ from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.engine.tuning import EventTimer, HostTimer, StrategyTuner
 from treeattn.ops import precompile
+from treeattn.plan.addressing import tma_loads
 
 __all__ = ["TreeEngine"]
 
@@ -383,7 +384,7 @@ class TreeEngine:
         if self.attention.backend != "triton":
             return 0
         return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device,
-                          pdl=self.attention.pdl)
+                          pdl=self.attention.pdl, tma=tma_loads(self.planner.heads, self.attention.cost))
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each

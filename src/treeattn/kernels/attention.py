@@ -15,37 +15,47 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+    q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
-    CONTIG: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
     the rows (query ``qpos``/``qprefix``) that do not see them. ``FULL`` (not ``MASKED``): every
-    entry of the tile lies before ``kv_end`` and every row sees all of them."""
+    entry of the tile lies before ``kv_end`` and every row sees all of them. ``TMA`` (with
+    ``CONTIG``): the K/V of ``FULL`` tiles come through the tensor descriptors ``K_desc``/``V_desc`` (rows = slots of
+    every layer; ``desc_row`` the row of entry 0, ``desc_col`` the KV head's first column)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
         n_valid = tl.full([BLOCK_N], 1, tl.int1)
     else:
         n_valid = offs_n < kv_end
-    if CONTIG:
-        # the unit's slots are one run: addresses are affine in n0, so the software pipeline
-        # issues the next tiles' K/V loads early (a gathered slot is a dependent load first)
-        slot = slot_base + offs_n
+    if TMA and FULL:
+        # one bulk copy a tile into shared memory (Hopper's TMA), where the MMAs read it: no
+        # address arithmetic or registers in the threads (benchmarks/probe_tma.py). Whole tiles
+        # only: past a unit's end lie other slots, which a partial tile would have to zero
+        row = (desc_row + n0).to(tl.int32)
+        k = K_desc.load([row, desc_col])
+        v = V_desc.load([row, desc_col])
     else:
-        # int64: page * stride overflows int32 on pools over 2 GiB
-        slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
-    # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
-    page = slot // PAGE_SIZE
-    in_page = slot % PAGE_SIZE
-    kv_mask = n_valid[:, None] & d_valid[None, :]
-    k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if CONTIG:
+            # the unit's slots are one run: addresses are affine in n0, so the software pipeline
+            # issues the next tiles' K/V loads early (a gathered slot is a dependent load first)
+            slot = slot_base + offs_n
+        else:
+            # int64: page * stride overflows int32 on pools over 2 GiB
+            slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
+        # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
+        page = slot // PAGE_SIZE
+        in_page = slot % PAGE_SIZE
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -84,7 +94,7 @@ def _attend_tile(
 # of 16) would compile new variants in the middle of decoding (pdl_first: two variants for one)
 @triton.jit(do_not_specialize=["work_offset", "pdl_first"])
 def _tree_partial_attention_kernel(
-    Q, K, V, O_part, LSE_part, Out, LSE_out,
+    Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
     mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
     work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer, pdl_first,
@@ -97,7 +107,7 @@ def _tree_partial_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -143,6 +153,12 @@ def _tree_partial_attention_kernel(
     slot_base = tl.zeros([], tl.int64)
     if CONTIG:
         slot_base = tl.load(kv_indices + kv_start).to(tl.int64) - kv_start
+    desc_row = slot_base
+    desc_col = kv_head * HEAD_DIM
+    if TMA:
+        # the descriptors' rows are the slots from layer 0's on (the launcher checks that slots
+        # are evenly strided and layers a whole number of slots apart)
+        desc_row += layer_offset // stride_ks
     row_start = tl.load(work_row_indptr + work)
     num_rows = tl.load(work_row_indptr + work + 1) - row_start
 
@@ -183,28 +199,28 @@ def _tree_partial_attention_kernel(
     if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
         for n0 in range(kv_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
+                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
                 m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                    q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-                    BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG,
+                    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
+                    BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
                     DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, kv_head, offs_d, d_valid, qk_scale,
+                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base,
-                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG,
+                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
+                BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
                 DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
     has = l_i > 0.0

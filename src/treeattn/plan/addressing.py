@@ -2,20 +2,26 @@
 of consecutive slots, and which launches of a plan compute their K/V addresses (and with which
 tile) instead of loading them from the slot list; gathered launches of many 32-row programs run
 two warps a program; tall launches over whole tiles take the select-free softmax step
-(:attr:`~treeattn.plan.plan.Launch.split_tail`)."""
+(:attr:`~treeattn.plan.plan.Launch.split_tail`), and over long runs tensor-descriptor loads
+(:attr:`~treeattn.plan.plan.Launch.tma`)."""
 from __future__ import annotations
 
 import dataclasses
 
 import numpy as np
 
-__all__ = ["TILE_TALL_CONTIG", "contig_configs", "contig_launches", "gathered_configs", "split_tails", "unit_runs"]
+__all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs", "split_tails",
+           "tma_launches", "tma_loads", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
 TILE_TALL_CONTIG = (32, 4, 3)
 TALL_CONTIG_ROWS = 128
 TALL_CONTIG_WAVES = 6
+#: Those launches whose units average TMA_MIN_TOKENS or more load K/V through tensor descriptors
+#: (Launch.tma) with this config where the device has TMA (:func:`tma_launches`)
+TILE_TALL_TMA = (128, 8, 3)
+TMA_MIN_TOKENS = 2048
 #: Gathered launches of GATHERED_NARROW_ROWS-row tiles over long items with at least
 #: GATHERED_NARROW_WAVES waves of programs run GATHERED_NARROW_WARPS warps a program
 GATHERED_NARROW_ROWS = 32
@@ -87,6 +93,39 @@ def contig_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) 
     return out
 
 
+def tma_loads(heads, cost) -> bool:
+    """Plans for ``heads`` may take :func:`tma_launches`: the cost model's device has TMA
+    (``cost.tma``), the caches are 16-bit and ``head_dim`` is a power of two up to 128 (three
+    stages of 128-token K/V tiles and a 128-row query tile fill 224 KB of shared memory at 128)."""
+    return bool(cost.tma) and heads.elem_bytes == 2 and heads.head_dim in (16, 32, 64, 128)
+
+
+def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> tuple:
+    """``launches`` (after :func:`contig_launches`) with the tall contig ones (:data:`TILE_TALL_CONTIG`)
+    whose units average :data:`TMA_MIN_TOKENS` or more turned to :attr:`Launch.tma` at
+    :data:`TILE_TALL_TMA` (and :attr:`Launch.split_tail`, as the kernel loads only whole tiles
+    through descriptors: past a unit's end lie other slots).
+
+    With no address arithmetic in the threads, K/V land in shared memory where the MMAs read
+    them, and 128-token KV tiles with 8 warps pay: standalone tall tiles 1.13-1.15x faster than
+    with pointer loads at that config and 1.22-1.49x faster than at TILE_TALL_CONTIG
+    (benchmarks/probe_tma.py). In the suite's plans (benchmarks/probe_tma_plans.py) that holds
+    on long units (``1,1024_2048,32``'s 2048-token root: 1.07 / 1.12 / 1.18x at 32/32, 32/8,
+    64/8), but over units of 256-1000 tokens the wide tile's longer pipeline start costs up to
+    1.2x, and descriptor loads at the other launches' configs gain nothing (0.93-1.01x).
+    """
+    out = []
+    for ln in launches:
+        if ln.contig and ln.block_m >= TALL_CONTIG_ROWS and (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_CONTIG:
+            length = work_kv_end[ln.work_start: ln.work_end] - work_kv_start[ln.work_start: ln.work_end]
+            if length.mean() >= TMA_MIN_TOKENS:
+                block_n, num_warps, num_stages = TILE_TALL_TMA
+                ln = dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                         split_tail=True, tma=True)
+        out.append(ln)
+    return tuple(out)
+
+
 def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
     """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a launch
     planned with this shape that keeps gathering (what :func:`treeattn.ops.precompile` compiles)."""
@@ -115,6 +154,9 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
     """
     out = []
     for ln in launches:
+        if ln.tma:  # (set by tma_launches)
+            out.append(ln)
+            continue
         tall = ln.block_m >= SPLIT_TAIL_ROWS and not (has_mask and ln.masked) and ln.work_end > ln.work_start
         if tall:
             length = work_kv_end[ln.work_start: ln.work_end] - work_kv_start[ln.work_start: ln.work_end]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.addressing import contig_launches, split_tails, unit_runs
+from treeattn.plan.addressing import contig_launches, split_tails, tma_launches, tma_loads, unit_runs
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.plan import (
@@ -281,9 +281,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads,
                                             tall_first=True))
     gather_launches = tuple(launches)
-    launches = split_tails(contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
-                                           heads.num_kv_heads, cost.num_sms, has_mask=needs_mask),
-                           work_kv_start, work_kv_end, has_mask=needs_mask)
+    launches = contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
+                               heads.num_kv_heads, cost.num_sms, has_mask=needs_mask)
+    if tma_loads(heads, cost):
+        launches = tma_launches(launches, work_kv_start, work_kv_end)
+    launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(item_bound[-1])

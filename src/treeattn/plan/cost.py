@@ -194,6 +194,10 @@ class CostModel:
     #: CUDA graph); False where they run one after another (no side streams: the engine), where
     #: no plan runs tallest first and launches are rated one after another
     side_streams: bool = True
+    #: the device loads tiles through tensor descriptors (Hopper's TMA), which tall launches over
+    #: long runs of slots take (:func:`~treeattn.plan.addressing.tma_launches`; rated like
+    #: pointer loads). TreeAttention sets it on CUDA devices of compute capability 9.0 or later
+    tma: bool = False
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 7.06e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction

@@ -112,6 +112,10 @@ class Launch:
     softmax step and its last, partial tile after the loop (set for tall query tiles, whose
     tiles are bound by those per-entry instructions; see
     :func:`~treeattn.plan.addressing.split_tails`).
+
+    ``tma`` (with ``contig``): the kernel loads the K/V of whole tiles through tensor
+    descriptors (Hopper's TMA) where the caches' layout allows; see
+    :func:`~treeattn.plan.addressing.tma_launches`.
     """
 
     block_m: int
@@ -125,6 +129,7 @@ class Launch:
     mask_split: bool = False
     contig: bool = False
     split_tail: bool = False
+    tma: bool = False
 
 
 @dataclass(frozen=True, eq=False)

@@ -75,18 +75,22 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
             continue
         k = lo + int(np.argmax(counts[lo:hi] > 0))
         if new_slots[inserted[k]] != h.kv_slots[h.tail_pos[k]] + 1:
-            out.append(_with_split_tail(ln, now))
+            out.append(_with_hints(ln, now))
         else:
             is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
-            return tuple(_with_split_tail(x, now) for x, now in zip(
+            return tuple(_with_hints(x, now) for x, now in zip(
                 contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
                                 has_mask=plan.has_mask), plan.launches))
     return tuple(out)
 
 
-def _with_split_tail(launch, now):
+def _with_hints(launch, now):
     """``launch`` with the patched plan's ``split_tail`` hint (kept, not re-checked: grown units may
-    end in a partial tile, which the kernel runs after the loop)."""
+    end in a partial tile, which the kernel runs after the loop) and, where it still reads runs,
+    its TMA tile (grown units are no shorter: :func:`~treeattn.plan.addressing.tma_launches`)."""
+    if now.tma and launch.contig:
+        return _replace(launch, block_n=now.block_n, num_warps=now.num_warps, num_stages=now.num_stages,
+                        split_tail=True, tma=True)
     return _replace(launch, split_tail=now.split_tail) if launch.split_tail != now.split_tail else launch
 
 

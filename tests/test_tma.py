@@ -1,0 +1,146 @@
+"""Tensor-descriptor (TMA) loads (``Launch.tma``): taken only by tall contig launches over long
+units where the device has TMA, kept by the lazy update, and the kernel's descriptor loads give
+the reference output (Triton's interpreter runs them on CPU), across layers, page sizes and
+stale NaNs past a unit's end; caches whose layout rules descriptors out fall back to pointers."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOL, rel_l2
+
+from treeattn import DecodingTree, HeadConfig, TreeAttention
+from treeattn.ops import _tma_descriptors
+from treeattn.plan.addressing import TILE_TALL_CONTIG, TILE_TALL_TMA, TMA_MIN_TOKENS, tma_launches, tma_loads
+from treeattn.plan.cost import CostModel
+from treeattn.plan.plan import Launch
+from treeattn.reference import reference_attention
+
+HQ, HKV, D = 8, 2, 32
+
+
+def test_tma_loads_needs_the_device_16_bit_caches_and_a_small_head_dim():
+    on = CostModel(tma=True)
+    assert tma_loads(HeadConfig(32, 8, 128, torch.float16), on)
+    assert tma_loads(HeadConfig(32, 8, 64, torch.bfloat16), on)
+    assert not tma_loads(HeadConfig(32, 8, 128, torch.float32), on)  # 3 stages overflow shared memory
+    assert not tma_loads(HeadConfig(32, 8, 256, torch.float16), on)
+    assert not tma_loads(HeadConfig(32, 8, 96, torch.float16), on)  # (not a power of two)
+    assert not tma_loads(HeadConfig(32, 8, 128, torch.float16), CostModel())
+    assert TreeAttention(device="cpu").cost.tma is False  # None: CUDA devices of cc >= 9 only
+
+
+def test_tma_launches_rule():
+    """Tall contig launches at TILE_TALL_CONTIG over units averaging >= TMA_MIN_TOKENS take the
+    TMA tile and the split tail; shorter units, gathered or other launches are kept."""
+    tall = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_CONTIG))
+    launches = (Launch(128, work_start=0, work_end=2, contig=True, masked=False, **tall),
+                Launch(128, work_start=2, work_end=4, contig=True, masked=False, **tall),
+                Launch(128, work_start=4, work_end=6, contig=False, masked=False, **tall),
+                Launch(64, 64, 6, 8, 4, 3, contig=True))
+    length = np.array([TMA_MIN_TOKENS, TMA_MIN_TOKENS + 1, TMA_MIN_TOKENS, TMA_MIN_TOKENS - 2] + [5000] * 4)
+    start = np.arange(8) * 10000
+    out = tma_launches(launches, start, start + length)
+    assert out[0] == dataclasses.replace(launches[0], block_n=TILE_TALL_TMA[0], num_warps=TILE_TALL_TMA[1],
+                                         num_stages=TILE_TALL_TMA[2], split_tail=True, tma=True)
+    assert out[1:] == launches[1:]  # mean TMA_MIN_TOKENS - 0.5; gathered; not the tall tile
+
+
+def tall_tree(page_size: int, gap: int = 0) -> DecodingTree:
+    """A 2100-token root read by 32 leaves of 5 tokens (32 queries x GQA 4: one 128-row tile), the
+    leaves ``gap`` slots after the root."""
+    root = 2100
+    lengths = [root] + [5] * 32
+    kv = np.concatenate([np.arange(root), root + gap + np.arange(5 * 32)])
+    return DecodingTree.from_parents([-1] + [0] * 32, lengths, query_nodes=list(range(1, 33)), kv_indices=kv,
+                                     page_size=page_size)
+
+
+def inputs(tree: DecodingTree, dtype, *, num_slots: int | None = None, layers: int = 1):
+    slots = num_slots or tree.num_tokens
+    pages = -(-slots // tree.page_size)
+    q = torch.randn(tree.num_queries, HQ, D, dtype=torch.float64)
+    k = torch.randn(layers, pages, tree.page_size, HKV, D, dtype=torch.float64)
+    v = torch.randn_like(k)
+    return q, k, v
+
+
+def tma_attention(device) -> TreeAttention:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    return TreeAttention(device=device, backend="triton", cost=CostModel(tma=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tma_kernel_matches_reference(device, dtype, page_size):
+    """The root's launch loads through descriptors; slots between the root and the leaves hold
+    NaN, which the unit's partial last tile (pointer loads, masked) must not read."""
+    tree = tall_tree(page_size, gap=40)
+    attn = tma_attention(device)
+    plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=dtype, strategy="node")
+    assert [ln.tma for ln in plan.launches].count(True) == 1
+    q, k, v = inputs(tree, dtype, num_slots=2100 + 40 + 160)
+    for t in (k, v):
+        t.view(-1, HKV, D)[2100:2140] = float("nan")
+    ref = reference_attention(q, k[0], v[0], tree)[0]
+    out = attn.run(*[t.to(device, dtype) for t in (q, k[0], v[0])], plan)
+    assert rel_l2(out, ref) <= TOL[dtype]
+    pointers = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, tma=False) for ln in plan.launches))
+    assert rel_l2(attn.run(*[t.to(device, dtype) for t in (q, k[0], v[0])], pointers), ref) <= TOL[dtype]
+
+
+def test_tma_reads_the_layer_given_on_the_device(device):
+    """Stacked caches of 3 layers, the layer index a device tensor: the descriptors' rows run
+    through every layer's slots."""
+    tree = tall_tree(16)
+    attn = tma_attention(device)
+    plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float16, strategy="node")
+    q, k, v = inputs(tree, torch.float16, layers=3)
+    k16, v16 = k.to(device, torch.float16), v.to(device, torch.float16)
+    for layer in (2, 1):
+        out = attn.run(q.to(device, torch.float16), k16[0], v16[0], plan,
+                       layer=torch.tensor([layer], dtype=torch.int32, device=device), layer_stride=k16[0].numel())
+        assert rel_l2(out, reference_attention(q, k[layer], v[layer], tree)[0]) <= TOL[torch.float16]
+
+
+def test_tma_falls_back_to_pointers_where_the_layout_rules_descriptors_out(device):
+    """Heads not adjacent (a slice of wider rows), K and V strided differently, or layers not a
+    whole number of slots apart: no descriptors, the same output."""
+    tree = tall_tree(1)
+    attn = tma_attention(device)
+    plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float16, strategy="node")
+    assert any(ln.tma for ln in plan.launches)
+    q, k, v = inputs(tree, torch.float16)
+    q16, k16, v16 = (t.to(device, torch.float16) for t in (q, k[0], v[0]))
+    wide = torch.randn(*k.shape[1:-1], 2 * D, dtype=torch.float64)
+    wide[..., :D] = k[0]
+    k_sliced = wide.to(device, torch.float16)[..., :D]
+    assert _tma_descriptors(k_sliced, k_sliced, 0, 128) is None
+    assert _tma_descriptors(k16, v16, 0, 128) is not None
+    assert _tma_descriptors(k16, v16, HKV * D + D, 128) is None
+    v_gaps = torch.empty(v.shape[1], 2, HKV, D, dtype=torch.float16, device=device)[:, :1]  # a free slot after each
+    v_gaps.copy_(v16)
+    assert _tma_descriptors(k16, v_gaps, 0, 128) is None
+    ref = reference_attention(q, k[0], v[0], tree)[0]
+    assert rel_l2(attn.run(q16, k_sliced, v16, plan), ref) <= TOL[torch.float16]
+    assert rel_l2(attn.run(q16, k16, v_gaps, plan), ref) <= TOL[torch.float16]
+
+
+def test_update_keeps_the_tma_tile(device):
+    """A 2100-token node read by 32 queries grows by a token right after its last slot: the
+    patched plan's launch keeps reading a run, through descriptors, and matches the reference."""
+    grown_len = 2101
+    tree = DecodingTree.from_parents([-1], [2100], query_nodes=[0] * 32, page_size=16, num_slots=2112)
+    grown = DecodingTree.from_parents([-1], [grown_len], query_nodes=[0] * 32, page_size=16, num_slots=2112)
+    attn = tma_attention(device)
+    plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float16, strategy="node")
+    assert any(ln.tma for ln in plan.launches)
+    updated = attn.update(plan, grown)
+    assert updated.num_work == plan.num_work and [ln.tma for ln in updated.launches] == [ln.tma for ln in plan.launches]
+    assert all(ln.split_tail for ln in updated.launches if ln.tma)
+    q, k, v = inputs(grown, torch.float16, num_slots=2112)
+    ref = reference_attention(q, k[0], v[0], grown)[0]
+    assert rel_l2(attn.run(*[t.to(device, torch.float16) for t in (q, k[0], v[0])], updated), ref) <= TOL[torch.float16]
