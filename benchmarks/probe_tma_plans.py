@@ -38,9 +38,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--trees", nargs="*", default=None, help="tree specs (default: the kernel suite)")
     args = ap.parse_args()
     rows = []
-    for spec in suite_trees("all"):
+    for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
         for hq, hkv in HEADS:
             q, k, v, out = case_inputs(tree, hq, hkv)
