@@ -25,8 +25,9 @@ def _attend_tile(
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
     the rows (query ``qpos``/``qprefix``) that do not see them. ``FULL`` (not ``MASKED``): every
     entry of the tile lies before ``kv_end`` and every row sees all of them. ``TMA`` (with
-    ``CONTIG``): the K/V of ``FULL`` tiles come through the tensor descriptors ``K_desc``/``V_desc`` (rows = slots of
-    every layer; ``desc_row`` the row of entry 0, ``desc_col`` the KV head's first column)."""
+    ``CONTIG``): the K/V of ``FULL`` tiles come through the tensor descriptors ``K_desc`` and
+    ``V_desc`` (a row per slot, every layer's; ``desc_row`` is entry 0's row, ``desc_col`` the
+    KV head's first column)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
