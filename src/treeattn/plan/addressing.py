@@ -111,10 +111,10 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -
     with pointer loads at that config and 1.22-1.49x faster than at TILE_TALL_CONTIG
     (benchmarks/probe_tma.py). In the suite's plans (benchmarks/probe_tma_plans.py) that holds
     on long units (``1,1024_2048,32``'s 2048-token root: 1.07 / 1.12 / 1.18x at 32/32, 32/8,
-    64/8), but over units of 256-1000 tokens the wide tile's longer pipeline start costs up to
-    1.2x, and descriptor loads at the other launches' configs gain nothing (0.93-1.01x). Beside
-    a large leaf launch the gain shrinks: 8 such roots over 512 leaves of 256 tokens, 0.98x /
-    1.05x at 32/8 / 64/8 (benchmarks/NOTES.md, session 19).
+    64/8), but over shorter units the wide tile's longer pipeline start costs up to 1.2x
+    (0.82-1.04x, below 1.0 on 10 of 14 plans), and descriptor loads at the launches' own configs
+    gain nothing (0.93-1.03x). Beside a large leaf launch the gain shrinks: 8 such roots over 512
+    leaves of 256 tokens, 0.98x / 1.05x at 32/8 / 64/8 (benchmarks/NOTES.md, session 19).
     """
     out = []
     for ln in launches:
