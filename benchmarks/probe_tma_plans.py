@@ -1,12 +1,14 @@
 """Probe: TMA loads (``Launch.tma``) in the real kernel, per suite plan.
 
-probe_tma.py found tensor-descriptor loads 1.04-1.15x faster than pointer loads on standalone
+probe_tma.py found tensor-descriptor loads 1.00-1.15x faster than pointer loads on standalone
 tall tiles at equal configs, and 128-token KV tiles with 8 warps best with them (1.22-1.49x over
-the planned 32/4/3 tile). This times ``auto``'s plan of every suite case under CUDA-graph replay
-with the launches it would run with TMA off (``off``: the planned pointer configs), on (``on``:
-every contig launch through descriptors, the tall ones at TILE_TALL_TMA), on for the tall
-launches only (``tall``) and for the others only (``rest``), and checks each variant's output
-against ``off`` (relative L2).
+the planned 32/4/3 tile). This times ``auto``'s plan of every suite case (or ``--trees``) whose
+TMA-enabled plan has a TMA launch, under CUDA-graph replay, with the launches of
+``TreeAttention(tma=False)`` (``off``) and of ``TreeAttention(tma=True)`` (``on``), ``on`` for
+the TILE_TALL_TMA launches only (``tall``) and for the others only (``rest``), and TMA on the tall
+launches at their pointer config (``same``), and checks each variant's output against ``off``
+(relative L2). (Which launches ``on`` covers is the planner's rule at the time: every contig
+launch in the first two runs, NOTES.md session 19; the long tall ones since edbc4ea.)
 
 Usage (H200)::
 

@@ -86,10 +86,12 @@ def test_tma_kernel_matches_reference(device, dtype, page_size):
     for t in (k, v):
         t.view(-1, HKV, D)[2100:2140] = float("nan")
     ref = reference_attention(q, k[0], v[0], tree)[0]
-    out = attn.run(*[t.to(device, dtype) for t in (q, k[0], v[0])], plan)
+    args = [t.to(device, dtype) for t in (q, k[0], v[0])]
+    assert _tma_descriptors(args[1], args[2], 0, TILE_TALL_TMA[0]) is not None  # (no pointer fallback)
+    out = attn.run(*args, plan)
     assert rel_l2(out, ref) <= TOL[dtype]
     pointers = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, tma=False) for ln in plan.launches))
-    assert rel_l2(attn.run(*[t.to(device, dtype) for t in (q, k[0], v[0])], pointers), ref) <= TOL[dtype]
+    assert rel_l2(attn.run(*args, pointers), ref) <= TOL[dtype]
 
 
 def test_tma_reads_the_layer_given_on_the_device(device):
@@ -98,8 +100,10 @@ def test_tma_reads_the_layer_given_on_the_device(device):
     tree = tall_tree(16)
     attn = tma_attention(device)
     plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float16, strategy="node")
+    assert any(ln.tma for ln in plan.launches)
     q, k, v = inputs(tree, torch.float16, layers=3)
     k16, v16 = k.to(device, torch.float16), v.to(device, torch.float16)
+    assert _tma_descriptors(k16[0], v16[0], k16[0].numel(), TILE_TALL_TMA[0]) is not None
     for layer in (2, 1):
         out = attn.run(q.to(device, torch.float16), k16[0], v16[0], plan,
                        layer=torch.tensor([layer], dtype=torch.int32, device=device), layer_stride=k16[0].numel())
