@@ -151,15 +151,6 @@ class DecodingTree:
         return self.topology.path_tokens[self.query_nodes] + self.query_prefix
 
     @functools.cached_property
-    def node_query_counts(self) -> np.ndarray:
-        """int64 [N]: queries in each node's subtree (including the node's own queries)."""
-        topo = self.topology
-        at = np.bincount(topo.tin[self.query_nodes], minlength=self.num_nodes)
-        csum = np.zeros(at.size + 1, dtype=np.int64)
-        at.cumsum(out=csum[1:])
-        return csum[topo.tout] - csum[topo.tin]
-
-    @functools.cached_property
     def effective_queries(self) -> tuple[np.ndarray, np.ndarray]:
         """int64 ``(node, prefix)`` [Q]: each query moved up to the deepest node of which it sees
         at least one token (a query at ``u`` with prefix 0 sees what one at ``parent(u)`` with the
