@@ -8,7 +8,8 @@ verification, ToT, few-shot) run launches of about one program a SM over contig 
 tiles. This times ``auto``'s plan of engine-shaped trees and of the suite as planned (``base``)
 and with every contig launch of at most 1 or 3 programs a SM (``@1``, ``@3``) given 128-token
 tiles, 4 warps, 3 stages (``wide``), the same through TMA descriptors with the split tail
-(``wide_tma``), and the planned tile through TMA (``tma``); CUDA-graph replay, L2 flushed,
+(``wide_tma``), the planned tile through TMA (``tma``), and every launch of that few programs
+(any addressing) with 8 warps (``warps8``); CUDA-graph replay, L2 flushed,
 outputs checked against ``base`` (relative L2). The summary's geomeans count every case of its
 group, a case without the variant at its best smaller bound (or 1.0).
 
@@ -32,6 +33,9 @@ from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
 
 HEADS = ((32, 8), (64, 8))
 WAVES = (1.0, 3.0)  # programs a SM up to which a contig launch takes the variant
+#: (name, 128-token tiles, TMA, warps)
+VARIANTS = (("wide", True, False, None), ("wide_tma", True, True, None), ("tma", False, True, None),
+            ("warps8", False, False, 8))
 ENGINE = ("medusa:32:1000", "medusa:32:4000", "medusa:64:1200", "medusa:64:4000", "medusa:128:2000",
           "1,10_1104,640", "1,20_4000,200", "1,50_4000,200", "1_1024", "1_4096")
 
@@ -43,12 +47,17 @@ def make_tree(spec: str):
     return tree_from_spec(spec)
 
 
-def variant(plan, hkv: int, sms: int, waves: float, wide: bool, tma: bool):
-    """``plan`` with its few-program contig launches changed (None when none is)."""
+def variant(plan, hkv: int, sms: int, waves: float, wide: bool, tma: bool, warps: int | None = None):
+    """``plan`` with its few-program contig launches changed (None when none is); with ``warps``,
+    its few-program launches (any addressing) take that many warps instead."""
     out, changed = [], False
     for ln in plan.launches:
         programs = (ln.work_end - ln.work_start) * hkv
-        if ln.contig and not ln.tma and programs <= waves * sms:
+        if warps is not None:
+            if programs <= waves * sms and ln.num_warps != warps:
+                ln = dataclasses.replace(ln, num_warps=warps)
+                changed = True
+        elif ln.contig and not ln.tma and programs <= waves * sms:
             ln = dataclasses.replace(ln, **(dict(block_n=128, num_warps=4, num_stages=3) if wide else {}),
                                      **(dict(tma=True, split_tail=True) if tma else {}))
             changed = True
@@ -69,8 +78,8 @@ def main() -> None:
             w = TreeAttention(device="cuda")
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128)
             q, k, v, out = case_inputs(tree, hq, hkv)
-            variants = {f"{name}@{waves:g}": variant(plan, hkv, sms, waves, wide, tma) for waves in WAVES
-                        for name, wide, tma in (("wide", True, False), ("wide_tma", True, True), ("tma", False, True))}
+            variants = {f"{name}@{waves:g}": variant(plan, hkv, sms, waves, wide, tma, warps) for waves in WAVES
+                        for name, wide, tma, warps in VARIANTS}
             for name in list(variants):  # a variant the smaller bound already made
                 same = [m for m in variants if m < name and m.split("@")[0] == name.split("@")[0]]
                 if variants[name] is not None and any(variants[m] is not None and variants[m].launches == variants[name].launches
@@ -96,7 +105,7 @@ def main() -> None:
                   + f" err {max(row['err'].values()):.1e} {row['launches']}", flush=True)
     summary = {}
     for group, keep in (("engine", lambda r: r["tree"] in ENGINE), ("suite", lambda r: r["tree"] not in ENGINE)):
-        for name in (f"{n}@{w:g}" for w in WAVES for n in ("wide", "wide_tma", "tma")):
+        for name in (f"{v[0]}@{w:g}" for w in WAVES for v in VARIANTS):
             # cases without this variant (nothing changed, or as the smaller bound) count as the best of those
             ratios = [r["us"]["base"] / min([r["us"][m] for m in r["us"] if m.split("@")[0] == name.split("@")[0]
                                              and float(m.split("@")[1]) <= float(name.split("@")[1])] or [r["us"]["base"]])

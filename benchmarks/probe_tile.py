@@ -10,7 +10,8 @@ cost of a tile:
 
 * ``planned``: the kernel as ``node`` plans it (no split tail: every tile checks its bounds);
 * ``split_tail``: the same launch with the split tail (whole tiles take the kernel's FULL step);
-* ``bare/BN/S``: a minimal loop (contig K/V, no bounds, no mask, FULL-style softmax) with
+* ``planned_wW``: the planned launch with ``W`` warps;
+* ``bare/BN/S[/wW]``: a minimal loop (contig K/V, no bounds, no mask, FULL-style softmax) with
   ``BN``-token tiles and ``S`` stages; ``tma/BN/S`` the same loading K/V through tensor
   descriptors (Hopper's TMA: bulk copies, no per-thread loads).
 
@@ -36,6 +37,7 @@ HEADS = ((32, 8), (64, 8))
 LENGTHS = (1024, 4096)
 BARE = ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))
 TMA = ((64, 3), (64, 4), (128, 2), (128, 3))
+WARPS = (2, 8)  # besides 4: bare/64/3 and the planned launch with these warps
 
 
 @triton.jit
@@ -90,21 +92,27 @@ def main() -> None:
                                                              for x in plan.launches))
             t[("split_tail", n)] = graph_us(lambda: w.run(q, k, v, tail, out=out))
             err = {"split_tail": float((w.run(q, k, v, tail).float() - ref).abs().max())}
+            for nw in WARPS:
+                p_w = dataclasses.replace(plan, launches=tuple(dataclasses.replace(x, num_warps=nw) for x in plan.launches))
+                t[(f"planned_w{nw}", n)] = graph_us(lambda p_w=p_w: w.run(q, k, v, p_w, out=out))
+                err[f"planned_w{nw}"] = float((w.run(q, k, v, p_w).float() - ref).abs().max())
             o = torch.empty(hq, 128, device="cuda", dtype=torch.float16)
-            for bn, st, tma in [(*c, False) for c in BARE] + [(*c, True) for c in TMA]:
-                name = f"{'tma' if tma else 'bare'}/{bn}/{st}"
+            for bn, st, tma, nw in ([(*c, False, 4) for c in BARE] + [(*c, True, 4) for c in TMA]
+                                    + [(64, 3, False, x) for x in WARPS] + [(128, 3, True, x) for x in WARPS]):
+                name = f"{'tma' if tma else 'bare'}/{bn}/{st}" + (f"/w{nw}" if nw != 4 else "")
                 kd = TensorDescriptor(k.view(n, hkv * 128), [n, hkv * 128], [hkv * 128, 1], [bn, 128])
                 vd = TensorDescriptor(v.view(n, hkv * 128), [n, hkv * 128], [hkv * 128, 1], [bn, 128])
 
-                def bare(bn=bn, st=st, tma=tma, kd=kd, vd=vd):
+                def bare(bn=bn, st=st, tma=tma, kd=kd, vd=vd, nw=nw):
                     _bare[(hkv,)](q, k, v, o, kd if tma else None, vd if tma else None, n,
                                   128 ** -0.5 * 1.4426950408889634, HKV=hkv, GROUP=group, D=128,
-                                  BM=max(16, group), BN=bn, USE_TMA=tma, num_warps=4, num_stages=st)
+                                  BM=max(16, group), BN=bn, USE_TMA=tma, num_warps=nw, num_stages=st)
                 t[(name, n)] = graph_us(bare)
                 bare()
                 err[name] = float((o.float() - ref[0]).abs().max())
             cfg = [(x.block_m, x.block_n, x.num_warps, x.num_stages, x.contig, x.split_tail) for x in plan.launches]
-        names = ["planned", "split_tail"] + [f"bare/{bn}/{st}" for bn, st in BARE] + [f"tma/{bn}/{st}" for bn, st in TMA]
+        names = (["planned", "split_tail"] + [f"planned_w{x}" for x in WARPS] + [f"bare/{bn}/{st}" for bn, st in BARE]
+                 + [f"tma/{bn}/{st}" for bn, st in TMA] + [f"bare/64/3/w{x}" for x in WARPS] + [f"tma/128/3/w{x}" for x in WARPS])
         row = {"hq": hq, "hkv": hkv, "planned_launches": cfg, "err": err, "us": {}, "us_per_tile": {}}
         for name in names:
             bn = int(name.split("/")[1]) if "/" in name else 64
