@@ -48,8 +48,9 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
     set where every work unit is a run of slots (``is_run``, bool [W]) and affine addresses pay,
     and the launch config of each (tile, warps, stages) for its addressing.
 
-    Affine addresses let the software pipeline issue the next tiles' K/V loads early (gathered
-    ones wait for their slot load first): a lone program walking 4K tokens runs 1.5x faster. The
+    Addresses affine in the loop counter stream faster than gathered ones: a lone program walking
+    4K tokens runs 1.5x faster (addresses computed from registers but not affine are as slow as
+    gathered ones: benchmarks/probe_segments.py, so it is not the slot load). The
     deeper pipeline takes shared memory, so beyond three programs a SM a launch keeps one stage
     less, and 64-row tiles of long KV tiles keep gathered slots beyond one wave (per-launch sweep
     on an H200: benchmarks/sweep_contig.py; counting the programs of all the plan's launches
