@@ -4,7 +4,8 @@ CPU core.
 
 Usage::
 
-    python benchmarks/bench_planning.py [--trees SPEC ...] [--repeats 50] [--core 0] [--out planning.json]
+    python benchmarks/bench_planning.py [--trees SPEC ...] [--strategies auto,...] [--repeats 50] [--core 0]
+                                        [--out planning.json]
 
 Each time is the median of ``--repeats`` runs after warm-up. ``plan`` times start from a freshly built
 :class:`~treeattn.tree.DecodingTree` each run (only what its constructor caches is reused);
@@ -74,13 +75,13 @@ def median_ms(fn, repeats: int, setup=lambda: None, warmup: int = 3) -> tuple[fl
     return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
-def bench_tree(spec: str, repeats: int) -> dict:
+def bench_tree(spec: str, repeats: int, strategies=STRATEGIES) -> dict:
     tree = tree_from_spec(spec)
     grown = grow_leaves(tree)
     wrapper = TreeAttention(device="cpu")
     row = {"tree": spec, "nodes": tree.num_nodes, "tokens": tree.num_tokens, "queries": tree.num_queries,
            "chosen": None, **{k: {} for k in ("plan_ms", "plan_cpu_ms", "update_ms", "update_cpu_ms")}}
-    for strategy in STRATEGIES:
+    for strategy in strategies:
         row["plan_ms"][strategy], row["plan_cpu_ms"][strategy] = median_ms(
             lambda t, s=strategy: wrapper.plan(t, strategy=s, **HEADS), repeats, lambda: copy_tree(tree))
         plan = wrapper.plan(tree, strategy=strategy, **HEADS)
@@ -97,12 +98,13 @@ def main(argv=None) -> None:
     ap.add_argument("--trees", nargs="+", default=list(DEFAULT_TREES), help="kernel-suite specs")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--core", type=int, default=0, help="the CPU core to run on")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
-    rows = [bench_tree(spec, args.repeats) for spec in args.trees]
-    cols = STRATEGIES
+    cols = args.strategies.split(",")
+    rows = [bench_tree(spec, args.repeats, cols) for spec in args.trees]
     print("median ms per call, wall clock (CPU time of this thread in parentheses)")
     print(f"{'tree':44s} {'what':6s} " + " ".join(f"{c:>15s}" for c in cols))
     for r in rows:

@@ -49,7 +49,7 @@ def pipeline_buffers(block_m: int, block_n: int, num_warps: int, num_stages: int
     from triton.compiler import ASTSource
 
     ptr32 = {"kv_indices", "work_kv_start", "work_kv_end", "work_mask_start", "work_row_indptr", "row_q_indices",
-             "row_direct", "mask_lo", "mask_hi", "mask_pos", "query_pos", "query_prefix", "kv_layer"}
+             "row_direct", "tree_mask", "query_pos", "query_prefix", "kv_layer"}
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n, PAGE_SIZE=1,
                   HAS_MASK=False, MASK_SPLIT=False, HEADS_INNER=False, CONTIG=False, DIRECT=False, WRITE_LSE=False, DOT_PRECISION="tf32", UPCAST=False)
     sig, attrs = {}, {}

@@ -84,7 +84,8 @@ def planned_coverage(tree: DecodingTree, plan: Plan) -> tuple[np.ndarray, np.nda
         mask_start = plan.work_mask_start.cpu().numpy().astype(np.int64)
         masked = np.repeat(work_masked[row_work], (end - start)[row_work])
         masked &= pos >= np.repeat(mask_start[row_work], (end - start)[row_work])
-        lo, hi, p = (t.cpu().numpy()[pos] for t in (plan.mask_lo, plan.mask_hi, plan.mask_pos))
+        lo, hi, p = plan.tree_mask.cpu().numpy()[pos, :3].T
+        p = p + pos
         qp = plan.query_pos.cpu().numpy()[q]
         qpre = plan.query_prefix.cpu().numpy()[q]
         vis = ~masked | ((lo <= qp) & (qp < hi) & ((lo < qp) | (p < qpre)))

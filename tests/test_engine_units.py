@@ -239,7 +239,7 @@ def test_verify_trees_share_structure_and_plan_as_fresh_trees():
             b = make_plan(fresh, heads, strategy=strategy)
             assert a.strategy == b.strategy and a.launches == b.launches
             for name in ("kv_indices", "work_kv_start", "work_kv_end", "work_row_indptr", "row_q_indices",
-                         "merge_indptr", "merge_indices", "mask_lo", "mask_hi", "mask_pos", "query_pos",
+                         "merge_indptr", "merge_indices", "tree_mask", "query_pos",
                          "query_prefix"):
                 x, y = getattr(a, name), getattr(b, name)
                 assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), (strategy, name)
@@ -276,7 +276,7 @@ def test_device_plans_are_64_byte_aligned():
         tree = tree_from_medusa(32, context_len=ctx)
         plan = planner.plan(tree, first_prefix=tree.query_prefix - 1)
         for name in ("kv_indices", "work_kv_start", "work_row_indptr", "row_q_indices", "row_direct",
-                     "merge_q_indices", "mask_lo", "mask_pos", "query_pos", "query_prefix"):
+                     "merge_q_indices", "tree_mask", "query_pos", "query_prefix"):
             assert getattr(plan, name).data_ptr() % 64 == 0, name
 
 
@@ -381,7 +381,7 @@ def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng, de
     first = tree.query_prefix - (h - 1)
     plan = planner.plan(tree, first_prefix=first)
     assert plan.has_mask
-    lo, start, end = (t.cpu().numpy() for t in (plan.mask_lo, plan.work_kv_start, plan.work_kv_end))
+    lo, start, end = (t.cpu().numpy() for t in (plan.tree_mask[:, 0], plan.work_kv_start, plan.work_kv_end))
     root_only = [ln for ln in plan.launches if np.all(lo[start[ln.work_start]: end[ln.work_end - 1]] == 0)]
     assert all(not ln.masked for ln in root_only)
     assert all(ln.masked for ln in plan.launches if ln not in root_only)

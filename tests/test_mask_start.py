@@ -79,7 +79,7 @@ def test_window_mask_start_is_the_first_hidden_slot():
     for strategy in ("sequence", "node"):
         plan = StepPlanner(HEADS, strategy=strategy, device="cpu").plan(tree, first_prefix=first)
         start, end, mask_start = (t.numpy() for t in (plan.work_kv_start, plan.work_kv_end, plan.work_mask_start))
-        lo, pos = plan.mask_lo.numpy(), plan.mask_pos.numpy()
+        lo, pos = plan.tree_mask.numpy()[:, 0], plan.tree_mask.numpy()[:, 2] + np.arange(plan.kv_indices.numel())
         for w in range(plan.num_work):
             q = plan.row_q_indices.numpy()[plan.work_row_indptr.numpy()[w]]  # one query per leaf item
             hidden = np.flatnonzero((lo[start[w]:end[w]] > 0) & (pos[start[w]:end[w]] >= first[q]))
@@ -95,7 +95,7 @@ def test_speculative_context_is_read_unmasked(strategy):
     plan = make_plan(tree, HEADS, strategy=strategy)
     assert plan.has_mask
     start, end, mask_start = (t.numpy() for t in (plan.work_kv_start, plan.work_kv_end, plan.work_mask_start))
-    context = plan.mask_lo.numpy()[start] == 0
+    context = plan.tree_mask.numpy()[start, 0] == 0
     assert context.any() and np.array_equal(mask_start[context], end[context])
     assert "tree mask on" in plan.explain()
 

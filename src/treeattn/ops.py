@@ -137,9 +137,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_d = max(16, triton.next_power_of_2(h.head_dim))
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
-    mask_args = (plan.mask_lo, plan.mask_hi, plan.mask_pos, plan.query_pos, plan.query_prefix)
+    mask_args = (plan.tree_mask, plan.query_pos, plan.query_prefix)
     if not plan.has_mask:
-        mask_args = (plan.kv_indices,) * 5  # never read: HAS_MASK is off
+        mask_args = (plan.kv_indices,) * 3  # never read: HAS_MASK is off
     direct = plan.num_direct > 0
     if direct and out is None:
         raise ValueError("this plan writes single-row queries to the output: pass out=")

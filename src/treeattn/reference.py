@@ -109,7 +109,8 @@ def run_plan_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         qs = row_q[r0:r1]
         sc = torch.einsum("qhd,nhd->qhn", q[qs].to(acc_dtype), k) * sm_scale
         if plan.has_mask:
-            lo, hi, pos = (t[s:e].long() for t in (plan.mask_lo, plan.mask_hi, plan.mask_pos))
+            lo, hi, pos = plan.tree_mask[s:e, :3].long().unbind(1)
+            pos = pos + torch.arange(s, e, device=pos.device)
             qp, qpre = plan.query_pos[qs].long()[:, None], plan.query_prefix[qs].long()[:, None]
             vis = (lo[None] <= qp) & (qp < hi[None]) & ((lo[None] < qp) | (pos[None] < qpre))
             sc = sc.masked_fill(~vis[:, None, :], float("-inf"))

@@ -179,8 +179,9 @@ class StepPlanner:
         topo = tree.topology
         slots = plan.kv_indices.numpy().astype(np.int64)
         if plan.has_mask:
-            node = topo.order[plan.mask_lo.numpy()]
-            pos = plan.mask_pos.numpy().astype(np.int64)
+            rec = plan.tree_mask.numpy()
+            node = topo.order[rec[:, 0]]
+            pos = rec[:, 2] + np.arange(rec.shape[0])
         else:
             lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
             lut[tree.kv_indices] = np.arange(tree.kv_indices.size)
@@ -223,9 +224,10 @@ class StepPlanner:
         def i32(a):
             return torch.from_numpy(np.asarray(a, dtype=np.int32))
 
-        return dataclasses.replace(
-            plan, mask_lo=i32(topo.tin[node]), mask_hi=i32(topo.tout[node]), mask_pos=i32(pos),
-            query_pos=i32(topo.tin[tree.query_nodes]), **common)
+        rec = np.zeros((pos.size, 4), dtype=np.int32)  # (the Plan.tree_mask record of each entry)
+        rec[:, 0], rec[:, 1], rec[:, 2] = topo.tin[node], topo.tout[node], pos - np.arange(pos.size)
+        return dataclasses.replace(plan, tree_mask=torch.from_numpy(rec),
+                                   query_pos=i32(topo.tin[tree.query_nodes]), **common)
 
     def _to_device(self, plan: Plan) -> Plan:
         if self.device.type == "cpu":

@@ -17,7 +17,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 def _attend_tile(
     q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
+    tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -73,9 +73,12 @@ def _attend_tile(
         s = s * qk_scale  # log2 domain
         visible = n_valid[None, :]
         if MASKED:
-            lo = tl.load(mask_lo + offs_n, mask=n_valid, other=0)
-            hi = tl.load(mask_hi + offs_n, mask=n_valid, other=0)
-            pos = tl.load(mask_pos + offs_n, mask=n_valid, other=0)
+            # a 16-byte record an entry: node range [lo, hi) and its offset in the node less the
+            # entry index (one value for a whole segment, so the host builds it by one repeat)
+            rec = tree_mask + offs_n * 4
+            lo = tl.load(rec, mask=n_valid, other=0)
+            hi = tl.load(rec + 1, mask=n_valid, other=0)
+            pos = tl.load(rec + 2, mask=n_valid, other=0) + offs_n
             # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
             # query's node, and within the query's own node only its first `prefix` tokens
             anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
@@ -98,7 +101,7 @@ def _attend_tile(
 def _tree_partial_attention_kernel(
     Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
-    mask_lo, mask_hi, mask_pos, query_pos, query_prefix,
+    tree_mask, query_pos, query_prefix,
     work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer, pdl_first,
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -203,7 +206,7 @@ def _tree_partial_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
+                tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
                 CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     if not HAS_MASK:
@@ -212,7 +215,7 @@ def _tree_partial_attention_kernel(
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
+                    tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                     BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
                     DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
     else:
@@ -221,7 +224,7 @@ def _tree_partial_attention_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                mask_lo, mask_hi, mask_pos, qpos, qprefix, slot_base, desc_row, desc_col,
+                tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
                 DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 

@@ -225,12 +225,14 @@ class Plan:
         The other queries (none, or several partial rows): the ones the merge kernel writes.
     num_direct : int
         Rows with ``row_direct`` set (host copy; 0 means the kernel writes no output).
-    mask_lo, mask_hi, mask_pos : int32 [nnz_kv] or None
-        Tree mask, present when some query of an item sees only part of it: token ``t`` (at
-        offset ``mask_pos`` of a node with pre-order range ``[mask_lo, mask_hi)``) is visible to
-        query ``q`` iff ``mask_lo <= qpos < mask_hi`` and (``mask_lo < qpos`` or
-        ``mask_pos < qprefix``), with ``qpos, qprefix = query_pos[q], query_prefix[q]``. This is
-        DeFT's bit causal mask in O(1) words per token for any number of queries.
+    tree_mask : int32 [nnz_kv, 4] or None
+        Tree mask, present when some query of an item sees only part of it: a record a KV entry,
+        ``(lo, hi, pos_base, 0)``. Entry ``e`` (a token at offset ``pos = pos_base + e`` of a node
+        with pre-order range ``[lo, hi)``) is visible to query ``q`` iff ``lo <= qpos < hi`` and
+        (``lo < qpos`` or ``pos < qprefix``), with ``qpos, qprefix = query_pos[q],
+        query_prefix[q]``. This is DeFT's bit causal mask in O(1) words per token for any number
+        of queries; the entries of a segment of one node share one record (``pos_base`` is the
+        node offset minus the entry index), so the lazy update rebuilds the mask by one repeat.
     query_pos, query_prefix : int32 [Q] or None
     launches : tuple of Launch
         In work-unit order, shortest query tile first.
@@ -260,9 +262,7 @@ class Plan:
     row_direct: torch.Tensor
     merge_q_indices: torch.Tensor
     num_direct: int
-    mask_lo: torch.Tensor | None
-    mask_hi: torch.Tensor | None
-    mask_pos: torch.Tensor | None
+    tree_mask: torch.Tensor | None
     query_pos: torch.Tensor | None
     query_prefix: torch.Tensor | None
     launches: tuple
@@ -283,7 +283,7 @@ class Plan:
 
     @property
     def has_mask(self) -> bool:
-        return self.mask_lo is not None
+        return self.tree_mask is not None
 
     @property
     def device(self) -> torch.device:

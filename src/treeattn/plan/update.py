@@ -7,7 +7,7 @@ see them too), and every work range is shifted by the tokens inserted before it.
 (items, query tiles, merge map, launches) is kept. Work is O(nodes + work units) plus one pass
 over the tree's slots (to check that the old ones are unchanged) and one copy of the planned KV
 list; a tree mask is rebuilt from its segments (the new entries lengthen the segments that end at
-their tails), which is cheaper than splicing its three arrays.
+their tails), which is cheaper than splicing it.
 """
 from __future__ import annotations
 
@@ -111,8 +111,9 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     if appended == 0:
         return plan if np.array_equal(tree.kv_indices, old.kv_indices) else None
     counts = grown[h.tail_node]  # tokens appended after each planned tail (0: not grown)
-    inserted = np.zeros(counts.size + 1, dtype=np.int32)  # inserted[k]: after tails[:k]
-    counts.cumsum(out=inserted[1:])
+    inserted = np.zeros(counts.size + 1, dtype=counts.dtype)  # inserted[k]: after tails[:k]
+    counts.cumsum(out=inserted[1:])  # (a cumsum into another dtype costs 3x more than the cast)
+    inserted = inserted.astype(np.int32)  # (so the patched ranges stay int32)
     added = int(inserted[-1])
     # new entry i (the j-th of tail k, so i = inserted[k] + j) goes right after that tail, which
     # moves to tail_pos[k] + inserted[k]; it holds token kv_indptr[node + 1] - counts[k] + j
@@ -146,8 +147,7 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         seg_len = h.seg_len.copy()
         seg_len[h.tail_seg] += counts
         seg = {"seg_len": seg_len}
-        host["mask_lo"], host["mask_hi"], host["mask_pos"] = mask_rows(
-            h.seg_tin, h.seg_tout, h.seg_lo, seg_len, seg_len.cumsum() - seg_len, kv.size)
+        host["tree_mask"] = mask_rows(h.seg_tin, h.seg_tout, h.seg_lo, seg_len, seg_len.cumsum() - seg_len)
         host["query_prefix"] = tree.query_prefix.astype(np.int32)
     t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
     device = plan.device
