@@ -95,15 +95,22 @@ def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> n
     return np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
 
 
-def mask_rows(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray, seg_len: np.ndarray,
-              seg_kv: np.ndarray) -> np.ndarray:
+def segment_records(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray) -> np.ndarray:
+    """int32 [S, 4]: each segment's node range (``seg_tin``, ``seg_tout``), the position in its
+    node of its first entry (``seg_lo``) and 0, from which :func:`mask_rows` builds the mask."""
+    rec = np.zeros((seg_lo.size, 4), dtype=np.int32)
+    rec[:, 0], rec[:, 1], rec[:, 2] = seg_tin, seg_tout, seg_lo
+    return rec
+
+
+def mask_rows(seg_rec: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray) -> np.ndarray:
     """int32 [total, 4]: the :attr:`~treeattn.plan.plan.Plan.tree_mask` record of every entry of
-    segments of ``seg_len`` entries, from each segment's node range (``seg_tin``, ``seg_tout``),
-    the position in its node of its first entry (``seg_lo``) and where its entries start
-    (``seg_kv``). A segment's entries share one record, so this is one repeat of 16-byte items,
-    which numpy copies about 4x faster than three int32 rows (the lazy update's largest pass)."""
-    rec = np.zeros((seg_len.size, 4), dtype=np.int32)
-    rec[:, 0], rec[:, 1], rec[:, 2] = seg_tin, seg_tout, seg_lo - seg_kv
+    segments of ``seg_len`` entries that start at entries ``seg_kv``, from their
+    :func:`segment_records`. A segment's entries share one record, so this is one repeat of
+    16-byte items, which numpy copies about 4x faster than three int32 rows (the lazy update's
+    largest pass)."""
+    rec = seg_rec.copy()
+    rec[:, 2] -= seg_kv
     return rec.view(_RECORD).ravel().repeat(seg_len).view(np.int32).reshape(-1, 4)
 
 
@@ -227,12 +234,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     work_kv_start = item_kv_start[w_item]
     work_kv_end = item_bound[1:][w_item]
     # tree mask, built as int32: each entry's node range and position in its node
-    mask, seg_mask = [None] * 3, [None] * 5
+    mask, seg_mask = [None] * 3, [None] * 3
     if needs_mask:
         seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
-        seg_mask = [seg_len, seg_lo.astype(np.int32), seg_tin.astype(np.int32), seg_tout.astype(np.int32),
-                    np.flatnonzero(at_tail)]
-        mask = [mask_rows(seg_mask[2], seg_mask[3], seg_mask[1], seg_len, seg_kv), q_tin, tree.query_prefix]
+        seg_mask = [seg_len, segment_records(seg_tin, seg_tout, seg_lo), np.flatnonzero(at_tail)]
+        mask = [mask_rows(seg_mask[1], seg_len, seg_kv), q_tin, tree.query_prefix]
     # where each item's mask starts (its end if none; without a plan mask, every end: a mask
     # added later sets its own starts)
     item_mask_start = item_kv_start + length
@@ -324,8 +330,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         query_prefix=t["query_prefix"], launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates, tall_first=cost.tall_first(longest_s),
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
-                      tail_node=tail_node, seg_len=seg_mask[0], seg_lo=seg_mask[1], seg_tin=seg_mask[2],
-                      seg_tout=seg_mask[3], tail_seg=seg_mask[4],
+                      tail_node=tail_node, seg_len=seg_mask[0], seg_rec=seg_mask[1],
+                      tail_seg=seg_mask[2],
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),

@@ -146,9 +146,9 @@ class PlanHost:
         The node of each.
     seg_len : int64 [S] or None
         Entries of each segment (a run of one node's tokens) of the KV list, in order.
-    seg_lo, seg_tin, seg_tout : int32 [S] or None
-        Position in its node of each segment's first entry, and its node's pre-order range: the
-        tree mask by segment, from which updates rebuild it. All four are None without a mask.
+    seg_rec : int32 [S, 4] or None
+        The tree mask by segment, from which updates rebuild it: each segment's node's pre-order
+        range, the position in its node of its first entry, 0. Both are None without a mask.
     tail_seg : intp [n_tails] or None
         The segment ending at each tail (plans with a tree mask).
     work_kv_start, work_kv_end : int32 [W]
@@ -179,9 +179,7 @@ class PlanHost:
     tail_pos: np.ndarray
     tail_node: np.ndarray
     seg_len: np.ndarray | None
-    seg_lo: np.ndarray | None
-    seg_tin: np.ndarray | None
-    seg_tout: np.ndarray | None
+    seg_rec: np.ndarray | None
     tail_seg: np.ndarray | None
     work_kv_start: np.ndarray
     work_kv_end: np.ndarray

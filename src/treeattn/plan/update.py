@@ -147,7 +147,7 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
         seg_len = h.seg_len.copy()
         seg_len[h.tail_seg] += counts
         seg = {"seg_len": seg_len}
-        host["tree_mask"] = mask_rows(h.seg_tin, h.seg_tout, h.seg_lo, seg_len, seg_len.cumsum() - seg_len)
+        host["tree_mask"] = mask_rows(h.seg_rec, seg_len, seg_len.cumsum() - seg_len)
         host["query_prefix"] = tree.query_prefix.astype(np.int32)
     t = {k: torch.from_numpy(a) for k, a in host.items()}  # CPU tensors share the host copies
     device = plan.device
