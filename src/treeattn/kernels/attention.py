@@ -74,8 +74,9 @@ def _attend_tile(
         visible = n_valid[None, :]
         if MASKED:
             # a 16-byte record an entry: node range [lo, hi) and its offset in the node less the
-            # entry index (one value for a whole segment, so the host builds it by one repeat)
-            rec = tree_mask + offs_n * 4
+            # entry index (one value for a whole segment, so the host builds it by one repeat);
+            # int64, as 4 * entry overflows int32 from 2^29 entries
+            rec = tree_mask + offs_n.to(tl.int64) * 4
             lo = tl.load(rec, mask=n_valid, other=0)
             hi = tl.load(rec + 1, mask=n_valid, other=0)
             pos = tl.load(rec + 2, mask=n_valid, other=0) + offs_n

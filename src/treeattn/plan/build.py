@@ -233,7 +233,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         work_row_indptr = _indptr(w_rows)
     work_kv_start = item_kv_start[w_item]
     work_kv_end = item_bound[1:][w_item]
-    # tree mask, built as int32: each entry's node range and position in its node
+    # tree mask: each entry's node range and position in its node, one record a node run
     mask, seg_mask = [None] * 3, [None] * 3
     if needs_mask:
         seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
