@@ -53,10 +53,10 @@ def run(args) -> None:
             err = ((out.float() - want.float()).norm() / want.float().norm()).item()
             if not math.isfinite(err) or err > 1e-2:
                 raise SystemExit(f"{name} {hq}/{hkv}: relative L2 error {err}")
-            hkv_entries = plan.io.mask // (12 * hkv)
+            masked = plan.io.mask // (12 * hkv)  # masked KV tile-entries a KV head
             res["rows"].append({"case": name, "hq": hq, "hkv": hkv, "strategy": plan.strategy, "us": us,
-                                "masked_entries": hkv_entries, "rel_l2": err})
-            print(f"{name[:48]:48s} {hq}/{hkv} {plan.strategy:8s} {us:8.1f} us  masked {hkv_entries}", flush=True)
+                                "masked_entries": masked, "rel_l2": err})
+            print(f"{name[:48]:48s} {hq}/{hkv} {plan.strategy:8s} {us:8.1f} us  masked {masked}", flush=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 
