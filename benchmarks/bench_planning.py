@@ -9,8 +9,10 @@ Usage::
 
 Each time is the median (and, for CPU time, also the minimum) of ``--repeats`` runs after warm-up. ``plan`` times start from a freshly built
 :class:`~treeattn.tree.DecodingTree` each run (only what its constructor caches is reused);
-``update`` times patch the plan of the original tree for a freshly built grown tree, as a serving
-loop does after each step. Building the trees is not timed.
+``update`` times patch the plan of the original tree for a freshly built grown tree (which the
+update checks against the plan's tree); ``append`` times patch it for the tree that
+:meth:`~treeattn.tree.DecodingTree.append` made from it (no check needed), as a serving loop does
+after each step. Building the trees is not timed.
 """
 from __future__ import annotations
 
@@ -46,18 +48,20 @@ def copy_tree(tree: DecodingTree) -> DecodingTree:
 
 
 def grow_leaves(tree: DecodingTree) -> DecodingTree:
-    """``tree`` after one decode step: every query's node gains one token in a fresh slot."""
-    grown = np.zeros(tree.num_nodes, dtype=np.int64)
-    grown[tree.query_nodes] = 1
-    lengths = tree.lengths + grown
-    indptr = np.concatenate(([0], np.cumsum(lengths)))
-    old = np.ones(indptr[-1], dtype=bool)
-    old[indptr[1:][grown > 0] - 1] = False
-    kv = np.empty(indptr[-1], dtype=np.int64)
-    kv[old] = tree.kv_indices
-    kv[~old] = int(tree.kv_indices.max()) + 1 + np.arange(int(grown.sum()))
-    return DecodingTree.from_parents(tree.parents, lengths, query_nodes=tree.query_nodes,
-                                     kv_indices=kv, page_size=tree.page_size)
+    """``tree`` after one decode step, built afresh: every query's node gains one token in a fresh
+    slot (an update must check it against the plan's tree)."""
+    counts, slots = leaf_step(tree)
+    appended = tree.append(counts, slots)
+    return DecodingTree.from_parents(tree.parents, appended.lengths, query_nodes=tree.query_nodes,
+                                     kv_indices=appended.kv_indices, page_size=tree.page_size)
+
+
+def leaf_step(tree: DecodingTree) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, slots)`` for :meth:`DecodingTree.append`: one token in a fresh slot for every
+    query's node."""
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
+    counts[tree.query_nodes] = 1
+    return counts, int(tree.kv_indices.max()) + 1 + np.arange(int(counts.sum()))
 
 
 def median_ms(fn, repeats: int, setup=lambda: None, warmup: int = 3) -> tuple[float, float, float]:
@@ -80,9 +84,10 @@ def median_ms(fn, repeats: int, setup=lambda: None, warmup: int = 3) -> tuple[fl
 def bench_tree(spec: str, repeats: int, strategies=STRATEGIES) -> dict:
     tree = tree_from_spec(spec)
     grown = grow_leaves(tree)
+    step = leaf_step(tree)
     wrapper = TreeAttention(device="cpu")
     row = {"tree": spec, "nodes": tree.num_nodes, "tokens": tree.num_tokens, "queries": tree.num_queries,
-           "chosen": None, **{f"{what}_{k}ms": {} for what in ("plan", "update") for k in ("", "cpu_", "cpu_min_")}}
+           "chosen": None, **{f"{what}_{k}ms": {} for what in ("plan", "update", "append") for k in ("", "cpu_", "cpu_min_")}}
     for strategy in strategies:
         row["plan_ms"][strategy], row["plan_cpu_ms"][strategy], row["plan_cpu_min_ms"][strategy] = median_ms(
             lambda t, s=strategy: wrapper.plan(t, strategy=s, **HEADS), repeats, lambda: copy_tree(tree))
@@ -92,6 +97,8 @@ def bench_tree(spec: str, repeats: int, strategies=STRATEGIES) -> dict:
         assert wrapper.update(plan, grown).num_work == plan.num_work  # patched, not re-planned
         row["update_ms"][strategy], row["update_cpu_ms"][strategy], row["update_cpu_min_ms"][strategy] = median_ms(
             lambda t, p=plan: wrapper.update(p, t), repeats, lambda: copy_tree(grown))
+        row["append_ms"][strategy], row["append_cpu_ms"][strategy], row["append_cpu_min_ms"][strategy] = median_ms(
+            lambda t, p=plan: wrapper.update(p, t), repeats, lambda: tree.append(*step))
     return row
 
 
@@ -111,7 +118,7 @@ def main(argv=None) -> None:
     print(f"{'tree':44s} {'what':6s} " + " ".join(f"{c:>23s}" for c in cols))
     for r in rows:
         name = f"{r['tree'][:24]} ({r['tokens'] // 1000}K tok, {r['queries']} q)"
-        for what in ("plan", "update"):
+        for what in ("plan", "update", "append"):
             wall, cpu, low = r[what + "_ms"], r[what + "_cpu_ms"], r[what + "_cpu_min_ms"]
             print(f"{name:44s} {what:6s} " + " ".join(f"{wall[c]:7.3f} ({cpu[c]:5.3f} / {low[c]:5.3f})" for c in cols))
         print(f"{'':44s} auto chose {r['chosen']}")

@@ -11,9 +11,10 @@ from treeattn.workloads import tree_from_medusa, tree_from_spec
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 
 
-def grow_leaves(tree: DecodingTree, rng, steps: int = 1) -> DecodingTree:
+def grow_leaves(tree: DecodingTree, rng, steps: int = 1, appended: bool = False) -> DecodingTree:
     """``tree`` after ``steps`` decode steps: every query's node that it sees whole gains tokens
-    in fresh slots (past the end of the old ones)."""
+    in fresh slots (past the end of the old ones). Built afresh, or by ``tree.append`` when
+    ``appended`` (the same tree, which the update need not check)."""
     qn = tree.query_nodes
     grows = np.zeros(tree.num_nodes, dtype=np.int64)
     whole = tree.query_prefix == tree.lengths[qn]
@@ -27,13 +28,16 @@ def grow_leaves(tree: DecodingTree, rng, steps: int = 1) -> DecodingTree:
         parts.append(new[k:k + grows[n]])
         k += grows[n]
     prefix = np.where(whole & (grows[qn] > 0), lengths[qn], tree.query_prefix)
+    if appended:
+        return tree.append(grows, new)
     return DecodingTree.from_parents(tree.parents, lengths, query_nodes=qn, query_prefix=prefix,
                                      kv_indices=np.concatenate(parts), page_size=tree.page_size)
 
 
+@pytest.mark.parametrize("appended", [False, True], ids=["rebuilt", "appended"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("case", ["suite", "random", "medusa", "forest"])
-def test_update_matches_the_visible_tokens(rng, strategy, case):
+def test_update_matches_the_visible_tokens(rng, strategy, case, appended):
     tree = {"suite": lambda: tree_from_spec("1,4,16_300,40,3"),
             "random": lambda: random_tree(rng, 60, 30, roots=1, inner_queries=True),
             "medusa": lambda: tree_from_medusa(32, context_len=50),
@@ -41,7 +45,7 @@ def test_update_matches_the_visible_tokens(rng, strategy, case):
     w = TreeAttention(backend="torch")
     plan = w.plan(tree, strategy=strategy, **HEADS)
     for step in range(3):
-        tree = grow_leaves(tree, rng, steps=step + 1)
+        tree = grow_leaves(tree, rng, steps=step + 1, appended=appended)
         patched = update_plan(plan, tree)
         assert patched is not None, "a leaf-append step must be patchable"
         got, exp = planned_coverage(tree, patched), expected_coverage(tree)
@@ -148,14 +152,38 @@ def test_update_rejects_an_append_nobody_reads():
         plan = w.plan(tree, strategy=strategy, **HEADS)
         assert update_plan(plan, append(tree, 1, [15], see=False)) is None
         assert update_plan(plan, append(tree, 2, [15])) is not None
+        assert update_plan(plan, tree.append([0, 1, 0], [15])) is None
+        assert update_plan(plan, tree.append([0, 0, 1], [15])) is not None
+        # a tree appended to another one is checked like any other: two steps at once patch
+        twice = update_plan(plan, tree.append([0, 0, 1], [15]).append([0, 0, 1], [16]))
+        assert twice is not None and twice.kv_indices.numel() == plan.kv_indices.numel() + 2
+        assert update_plan(plan, tree.append([0, 0, 1], [15]).append([0, 1, 0], [16])) is None
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_update_keeps_host_invariants_and_io(rng, strategy):
+def test_update_of_an_appended_tree_equals_that_of_the_rebuilt_one(rng, strategy):
     tree = random_tree(rng, 50, 25, roots=2, inner_queries=True)
     plan = TreeAttention(backend="torch").plan(tree, strategy=strategy, **HEADS)
     for step in range(3):
-        tree = grow_leaves(tree, rng, steps=step + 1)
+        appended = grow_leaves(tree, np.random.default_rng(step), step + 1, appended=True)
+        rebuilt_tree = grow_leaves(tree, np.random.default_rng(step), step + 1)
+        for name in ("parents", "lengths", "kv_indptr", "kv_indices", "query_nodes", "query_prefix"):
+            assert np.array_equal(getattr(appended, name), getattr(rebuilt_tree, name)), name
+        a, b = update_plan(plan, appended), update_plan(plan, rebuilt_tree)
+        for name, value in vars(a).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, getattr(b, name)), name
+        assert a.launches == b.launches and a.io == b.io and a.min_slots == b.min_slots
+        tree, plan = appended, a
+
+
+@pytest.mark.parametrize("appended", [False, True], ids=["rebuilt", "appended"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_update_keeps_host_invariants_and_io(rng, strategy, appended):
+    tree = random_tree(rng, 50, 25, roots=2, inner_queries=True)
+    plan = TreeAttention(backend="torch").plan(tree, strategy=strategy, **HEADS)
+    for step in range(3):
+        tree = grow_leaves(tree, rng, steps=step + 1, appended=appended)
         plan = update_plan(plan, tree)
         h = plan.host
         start, end = plan.work_kv_start.numpy(), plan.work_kv_end.numpy()
@@ -167,6 +195,7 @@ def test_update_keeps_host_invariants_and_io(rng, strategy):
         cover = [np.count_nonzero((start <= p) & (p < end)) for p in h.tail_pos]
         assert np.array_equal(h.tail_cover, cover)
         assert np.array_equal(h.saw_all, tree.query_prefix == tree.lengths[tree.query_nodes])
+        assert np.array_equal(h.untailed, np.setdiff1d(np.arange(tree.num_nodes), h.tail_node))
         heads = plan.heads
         per_token = heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
         tiles = int((end - start).sum())

@@ -147,3 +147,49 @@ def test_reuse_skips_only_checks_of_known_parents():
         DecodingTree.from_parents([-1, 0], [2, 1], query_nodes=[1], query_prefix=[2], reuse=tree)
     with pytest.raises(ValueError, match="cycle"):
         DecodingTree.from_parents([1, 0], [2, 1], query_nodes=[1], reuse=tree)
+
+
+@pytest.mark.parametrize("n,roots", [(1, 1), (17, 1), (60, 3)])
+def test_append_matches_a_fresh_tree(rng, n, roots):
+    parents = random_parents(rng, n, roots)
+    lengths = rng.integers(0, 9, n)
+    lengths[parents < 0] += 1  # every query sees a token
+    qn = rng.choice(n, size=min(n, 7), replace=False)
+    prefix = np.where(rng.random(qn.size) < 0.5, lengths[qn], 0)
+    prefix = np.where(parents[qn] < 0, lengths[qn], prefix)
+    tree = DecodingTree.from_parents(parents, lengths, query_nodes=qn, query_prefix=prefix,
+                                     kv_indices=rng.permutation(int(lengths.sum())) + 5, page_size=4)
+    counts = rng.integers(0, 3, n)
+    slots = 1000 + rng.permutation(int(counts.sum()))
+    got = tree.append(counts, slots)
+    # node by node: the old slots, then the node's appended ones
+    new = np.split(slots, np.cumsum(counts)[:-1])
+    kv = np.concatenate([np.concatenate((tree.kv_indices[tree.kv_indptr[i]:tree.kv_indptr[i + 1]], new[i]))
+                         for i in range(n)])
+    saw_all = prefix == lengths[qn]
+    exp = DecodingTree.from_parents(parents, lengths + counts, query_nodes=qn, kv_indices=kv, page_size=4,
+                                    query_prefix=np.where(saw_all, (lengths + counts)[qn], prefix))
+    for name in ("parents", "lengths", "kv_indptr", "kv_indices", "query_nodes", "query_prefix"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(exp, name))
+    assert got._structure is tree._structure and got.page_size == 4
+    np.testing.assert_array_equal(got.appended_to(tree), counts)
+    assert got.appended_to(exp) is None and exp.appended_to(tree) is None
+
+
+def test_append_checks_its_input_and_keeps_no_earlier_tree_alive():
+    import gc
+    import weakref
+    tree = DecodingTree.from_parents([-1, 0, 0], [3, 1, 1], num_slots=8)
+    with pytest.raises(ValueError, match="counts has 2 entries"):
+        tree.append([1, 1], [5, 6])
+    with pytest.raises(ValueError, match="counts must be >= 0"):
+        tree.append([0, -1, 1], [5])
+    with pytest.raises(ValueError, match="slots has 1 entries but counts appends 2"):
+        tree.append([0, 1, 1], [5])
+    with pytest.raises(ValueError, match="page out of range"):
+        tree.append([0, 1, 1], [5, 8])
+    first = weakref.ref(tree)
+    for step in range(3):
+        tree = tree.append([0, 1, 0], [5 + step])
+    gc.collect()
+    assert first() is None

@@ -118,7 +118,8 @@ class TreeAttention:
         When ``tree`` is ``plan``'s tree with tokens appended to the tails of nodes the plan
         already reads (every leaf grew by one token, say), the plan is patched in place of being
         rebuilt: same work items, longer KV ranges. Otherwise ``tree`` is planned again with
-        ``plan``'s strategy and heads.
+        ``plan``'s strategy and heads. A ``tree`` made from the plan's by
+        :meth:`~treeattn.tree.DecodingTree.append` is patched without comparing the two trees.
         """
         patched = update_plan(plan, tree)
         if patched is not None:

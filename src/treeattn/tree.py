@@ -17,6 +17,7 @@ Everything here is NumPy (int64) on the host; planners turn a tree into device t
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import InitVar, dataclass
 
 import numpy as np
@@ -126,6 +127,54 @@ class DecodingTree:
             self.parents, self.lengths, query_nodes=query_nodes, query_prefix=query_prefix,
             kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, page_size=self.page_size,
             num_slots=self.num_slots)
+
+    def append(self, counts, slots) -> "DecodingTree":
+        """This tree after a decode step: node ``n`` gains ``counts[n]`` tokens at its end.
+
+        Parameters
+        ----------
+        counts : int [N]
+            Tokens appended to each node (``>= 0``; one per leaf in parallel decoding).
+        slots : int [sum(counts)]
+            Their KV-cache slots, node after node in node order.
+
+        Queries that saw their whole node see it whole again; the others keep their prefix. The
+        new tree shares this one's structure and remembers what was appended to it, so
+        :meth:`treeattn.TreeAttention.update` patches a plan of this tree for it without
+        comparing the two trees (:meth:`appended_to`).
+        """
+        counts = _as_index_array(counts, "counts")
+        slots = _as_index_array(slots, "slots")
+        if counts.size != self.num_nodes:
+            raise ValueError(f"counts has {counts.size} entries but the tree has {self.num_nodes} nodes")
+        if counts.size and counts.min() < 0:
+            raise ValueError(f"counts must be >= 0, got {int(counts.min())} for node {int(counts.argmin())}")
+        if slots.size != int(counts.sum()):
+            raise ValueError(f"slots has {slots.size} entries but counts appends {int(counts.sum())} tokens")
+        lengths = self.lengths + counts
+        indptr = np.zeros(lengths.size + 1, dtype=np.int64)
+        lengths.cumsum(out=indptr[1:])
+        # the appended tokens of node n end where it ends: entries indptr[n + 1] - counts[n] + j
+        grown = np.flatnonzero(counts)
+        c = counts[grown]
+        new_at = np.arange(slots.size) + (indptr[grown + 1] - c - (c.cumsum() - c)).repeat(c)
+        old = np.ones(indptr[-1], dtype=bool)
+        old[new_at] = False
+        kv = np.empty(indptr[-1], dtype=np.int64)
+        kv[old] = self.kv_indices
+        kv[new_at] = slots
+        qn = self.query_nodes
+        prefix = np.where(self.query_prefix == self.lengths[qn], lengths[qn], self.query_prefix)
+        tree = DecodingTree(self.parents, lengths, indptr, kv, qn, prefix, self.page_size, self.num_slots, self)
+        # a weak reference: a decode loop's trees must not keep every earlier step's alive
+        tree.__dict__["_appended"] = (weakref.ref(self), counts)
+        return tree
+
+    def appended_to(self, base: "DecodingTree") -> np.ndarray | None:
+        """int64 [N]: the tokens :meth:`append` appended to each node of ``base`` to make this
+        tree, or None when this tree was not made so from ``base``."""
+        made = self.__dict__.get("_appended")
+        return made[1] if made is not None and made[0]() is base else None
 
     # ------------------------------------------------------------------ properties
     @property

@@ -142,6 +142,13 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pair
     return np.minimum(cut, item_end)
 
 
+def _untailed(tail_node: np.ndarray, num_nodes: int) -> np.ndarray:
+    """intp: the nodes not in ``tail_node``."""
+    tailed = np.zeros(num_nodes, dtype=bool)
+    tailed[tail_node] = True
+    return np.flatnonzero(~tailed)
+
+
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
     """int64 [n_tails]: ranges ``[start_tails, end_tails)`` that hold each tail."""
     change = np.bincount(start_tails, minlength=n_tails + 1) - np.bincount(end_tails, minlength=n_tails + 1)
@@ -330,7 +337,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         query_prefix=t["query_prefix"], launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates, tall_first=cost.tall_first(longest_s),
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
-                      tail_node=tail_node, seg_len=seg_mask[0], seg_rec=seg_mask[1],
+                      tail_node=tail_node, untailed=_untailed(tail_node, tree.num_nodes), seg_len=seg_mask[0], seg_rec=seg_mask[1],
                       tail_seg=seg_mask[2],
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,

@@ -144,6 +144,8 @@ class PlanHost:
         Every planned entry that is the last token of its node.
     tail_node : intp [n_tails]
         The node of each.
+    untailed : intp
+        Nodes whose last token no entry holds (appending to them needs a new plan).
     seg_len : int64 [S] or None
         Entries of each segment (a run of one node's tokens) of the KV list, in order.
     seg_rec : int32 [S, 4] or None
@@ -178,6 +180,7 @@ class PlanHost:
     kv_slots: np.ndarray
     tail_pos: np.ndarray
     tail_node: np.ndarray
+    untailed: np.ndarray
     seg_len: np.ndarray | None
     seg_rec: np.ndarray | None
     tail_seg: np.ndarray | None

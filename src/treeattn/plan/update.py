@@ -5,9 +5,10 @@ Each grown node's new slots are spliced in right after every planned copy of its
 so they join the work items that already read that node's tail (with the same queries, which now
 see them too), and every work range is shifted by the tokens inserted before it. The structure
 (items, query tiles, merge map, launches) is kept. Work is O(nodes + work units) plus one pass
-over the tree's slots (to check that the old ones are unchanged) and one copy of the planned KV
-list; a tree mask is rebuilt from its segments (the new entries lengthen the segments that end at
-their tails), which is cheaper than splicing it.
+over the tree's slots (to check that the old ones are unchanged; none for a tree made from the
+plan's by :meth:`~treeattn.tree.DecodingTree.append`) and one copy of the planned KV list; a
+tree mask is rebuilt from its segments (the new entries lengthen the segments that end at their
+tails), which is cheaper than splicing it.
 """
 from __future__ import annotations
 
@@ -103,10 +104,13 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     h = plan.host
     if h is None:
         return None
-    grown = _grown(h, tree)
-    if grown is None:
-        return None
     old = h.tree
+    grown = tree.appended_to(old)
+    checked = grown is not None  # made by old.append(): nothing else changed
+    if not checked:
+        grown = _grown(h, tree)
+        if grown is None:
+            return None
     appended = tree.kv_indices.size - old.kv_indices.size  # == grown.sum()
     if appended == 0:
         return plan if np.array_equal(tree.kv_indices, old.kv_indices) else None
@@ -120,13 +124,18 @@ def update_plan(plan: Plan, tree: DecodingTree) -> Plan | None:
     src = np.arange(counts.size).repeat(counts)  # k of each new entry
     i = np.arange(added)
     token = (tree.kv_indptr[1:][h.tail_node] - inserted[1:])[src] + i
-    # the new entries name the appended tokens of every grown node with a planned tail (some more
-    # than once); the other tokens must be the old slots, in order (so a grown node whose tail no
-    # item reads leaves too many: plan again)
-    old_token = np.ones(tree.kv_indices.size, dtype=bool)
-    old_token[token] = False
-    if not np.array_equal(tree.kv_indices[old_token], old.kv_indices):
-        return None
+    if checked:
+        # every grown node needs a planned tail (one nobody read has no entry to follow)
+        if grown[h.untailed].any():
+            return None
+    else:
+        # the new entries name the appended tokens of every grown node with a planned tail (some
+        # more than once); the other tokens must be the old slots, in order (so a grown node whose
+        # tail no item reads leaves too many: plan again)
+        old_token = np.ones(tree.kv_indices.size, dtype=bool)
+        old_token[token] = False
+        if not np.array_equal(tree.kv_indices[old_token], old.kv_indices):
+            return None
     new_at = h.tail_pos[src] + (i + 1)
     kv = np.ones(h.kv_slots.size + added, dtype=bool)  # where the old entries go
     kv[new_at] = False
