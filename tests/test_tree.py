@@ -193,3 +193,10 @@ def test_append_checks_its_input_and_keeps_no_earlier_tree_alive():
         tree = tree.append([0, 1, 0], [5 + step])
     gc.collect()
     assert first() is None
+
+
+def test_tree_arrays_are_read_only():
+    tree = DecodingTree.from_parents([-1, 0], [3, 2])
+    for name in ("parents", "lengths", "kv_indptr", "kv_indices", "query_nodes", "query_prefix"):
+        with pytest.raises(ValueError, match="read-only"):
+            getattr(tree, name)[0] = 1

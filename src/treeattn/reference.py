@@ -48,7 +48,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     hq, d = q.shape[1], q.shape[2]
     hkv = k_cache.shape[-2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    slots = torch.as_tensor(tree.kv_indices, device=q.device)
+    slots = torch.tensor(tree.kv_indices, device=q.device)
     k = _slots_view(k_cache)[slots].to(dtype)  # [T, Hkv, D]
     v = _slots_view(v_cache)[slots].to(dtype)
     k = k.repeat_interleave(hq // hkv, dim=1)

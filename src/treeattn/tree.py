@@ -44,7 +44,8 @@ def _as_index_array(x, name: str) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class DecodingTree:
-    """A decoding tree or forest over a KV cache; see the module docstring.
+    """A decoding tree or forest over a KV cache; see the module docstring. Its arrays are
+    read-only (a tree is one step's snapshot: make the next with :meth:`append` or anew).
 
     Attributes
     ----------
@@ -76,6 +77,9 @@ class DecodingTree:
     reuse: InitVar[DecodingTree | None] = None
 
     def __post_init__(self, reuse: DecodingTree | None) -> None:
+        # read-only: the structure shared with ``reuse`` and what :meth:`append` remembers stay true
+        for name in ("parents", "lengths", "kv_indptr", "kv_indices", "query_nodes", "query_prefix"):
+            getattr(self, name).flags.writeable = False
         known = reuse is not None and reuse._structure.matches(self.parents, self.query_nodes)
         # frozen dataclass: cached values go straight into the instance dict
         self.__dict__["_structure"] = reuse._structure if known else Structure(self.parents, self.query_nodes)
