@@ -12,7 +12,15 @@ from helpers import expected_coverage, paged_case, planned_coverage, random_tree
 from treeattn import TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
 from treeattn.plan.auto import estimate_items
-from treeattn.plan.paths import OWN_ITEM_TOKENS, cut_at_leads, deferred_path_tiles, path_tiles, paths_variants
+from treeattn.plan.paths import (
+    OWN_ITEM_TOKENS,
+    _pair_path_tiles,
+    _whole_path_tiles,
+    cut_at_leads,
+    deferred_path_tiles,
+    path_tiles,
+    paths_variants,
+)
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
 HEADS = (HeadConfig(8, 8, 64, torch.float16), HeadConfig(8, 2, 64, torch.float16), HeadConfig(16, 2, 64, torch.float16))
@@ -55,6 +63,24 @@ def test_deferred_sizes_equal_the_made_tiles(rng, rows):
                 assert np.array_equal(fast.query_weights(weights), exact.query_weights(weights))
             fast = deferred_path_tiles(tree, heads, rows, own)
             assert np.array_equal(fast.masked, made.masked) and np.array_equal(fast.mask_lead, made.mask_lead)
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64, 128])
+def test_tiles_from_node_ranges_equal_those_from_pairs(rng, rows):
+    """Where every query sees its path whole, the tiles made from each node's range of queries are
+    those made from the (query, node) pairs, field for field."""
+    heads = HeadConfig(16, 2, 64)
+    cases = trees(rng)[:5] + [random_tree(rng, int(rng.integers(2, 60)), int(rng.integers(1, 25)),
+                                          roots=int(rng.integers(1, 4))) for _ in range(20)]
+    for tree in cases:
+        eff_node, eff_prefix = tree.effective_queries
+        if not np.array_equal(eff_prefix, tree.lengths[eff_node]):
+            continue
+        for own in (None, _apart(tree, heads, rows), rng.random(tree.num_nodes) < 0.3):
+            a, b = _whole_path_tiles(tree, heads, rows, own), _pair_path_tiles(tree, heads, rows, own)
+            for field in ("seg_indptr", "seg_node", "seg_lo", "seg_hi", "q_indptr", "q_indices", "q_tokens",
+                          "masked", "mask_lead", "item_len"):
+                assert np.array_equal(getattr(a, field), getattr(b, field)), field
 
 
 def test_mask_lead_is_the_builders_mask_start():

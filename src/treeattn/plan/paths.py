@@ -43,6 +43,14 @@ def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray
 
     A tile's segments are its nodes in pre-order (a node before its descendants), each up to the
     last token one of the tile's queries sees."""
+    eff_node, eff_prefix = tree.effective_queries
+    whole = np.array_equal(eff_prefix, tree.lengths[eff_node])
+    tiles = (_whole_path_tiles if whole else _pair_path_tiles)(tree, heads, rows, own)
+    return tiles if own is None or not own.any() else concat_items(tiles, _own_items(tree, own))
+
+
+def _pair_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None) -> WorkItems:
+    """:func:`path_tiles`' tiles (without the nodes apart), from the (query, node) pairs."""
     topo = tree.topology
     eff_node, eff_prefix = tree.effective_queries
     per_tile = max(1, rows // heads.group)
@@ -78,9 +86,50 @@ def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray
     broken = (~whole).cumsum()
     before = np.append(0, broken)[seg_indptr[:-1]][seg_tile]  # broken segments before the tile's
     lead = np.bincount(seg_tile, seg_hi * (broken == before), minlength=num_tiles).astype(np.int64)
-    tiles = WorkItems(seg_indptr, seg_node, np.zeros_like(seg_node), seg_hi, _indptr(q_counts), order, q_tokens,
-                      lead < item_len, lead).with_item_len(item_len)
-    return tiles if own is None or not own.any() else concat_items(tiles, _own_items(tree, own))
+    return WorkItems(seg_indptr, seg_node, np.zeros_like(seg_node), seg_hi, _indptr(q_counts), order, q_tokens,
+                     lead < item_len, lead).with_item_len(item_len)
+
+
+def _whole_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None) -> WorkItems:
+    """:func:`path_tiles`' tiles (without the nodes apart) when every query sees each node of its
+    path whole: a node is in the tiles its range of queries (depth-first) meets, so the segments
+    come from the nodes, not from the (query, node) pairs."""
+    nq = tree.num_queries
+    per_tile = max(1, rows // heads.group)
+    num_tiles = -(-nq // per_tile)
+    order, seen, node_lo, node_hi = _query_ranges(tree)
+    keep = np.zeros(tree.num_nodes, dtype=bool)
+    keep[seen] = True
+    if own is not None:
+        keep &= ~own
+    pre = tree.topology.order
+    node = pre[keep[pre]]  # in pre-order
+    lo, hi = node_lo[node], node_hi[node]
+    first, last = lo // per_tile, (hi - 1) // per_tile
+    span = last - first + 1
+    seg_node = node.repeat(span)
+    seg_tile = np.arange(seg_node.size) + (first - (span.cumsum() - span)).repeat(span)
+    # a stable sort by tile keeps each tile's nodes in pre-order (16-bit keys: a radix sort)
+    by_tile = np.argsort(seg_tile.astype(np.uint16) if num_tiles <= 1 << 16 else seg_tile, kind="stable")
+    seg_tile, seg_node = seg_tile[by_tile], seg_node[by_tile]
+    seg_hi = tree.lengths[seg_node]
+    item_len = np.bincount(seg_tile, seg_hi, minlength=num_tiles).astype(np.int64)
+    q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
+    q_counts[-1] = nq - (num_tiles - 1) * per_tile
+    # a node all of whose tile's queries see it covers the tile's ranks; those nodes are the
+    # tile's common ancestors, which come first in pre-order: the lead
+    tile_lo = seg_tile * per_tile
+    whole = (lo.repeat(span)[by_tile] <= tile_lo) & (hi.repeat(span)[by_tile] >= np.minimum(tile_lo + per_tile, nq))
+    lead = np.bincount(seg_tile, seg_hi * whole, minlength=num_tiles).astype(np.int64)
+    q_tokens = tree.visible_tokens[order]
+    if own is not None and own.any():
+        # less the tokens of the nodes apart on each query's path (ranks lo..hi-1 of such a node)
+        apart = np.flatnonzero(own & (node_hi > node_lo))
+        size = tree.lengths[apart]
+        step = np.bincount(node_lo[apart], size, nq + 1) - np.bincount(node_hi[apart], size, nq + 1)
+        q_tokens = q_tokens - step.cumsum()[:-1].astype(np.int64)
+    return WorkItems(_indptr(np.bincount(seg_tile, minlength=num_tiles)), seg_node, np.zeros_like(seg_node), seg_hi,
+                     _indptr(q_counts), order, q_tokens, lead < item_len, lead).with_item_len(item_len)
 
 
 def _own_items(tree: DecodingTree, own: np.ndarray) -> WorkItems:
