@@ -1,0 +1,113 @@
+"""Host cost of an eager ``TreeAttention.run()``: the whole call against its Triton launches, and a
+launch through ``kernel[grid](...)`` against the compiled kernel's own launcher called with the
+same arguments (the floor a cached launch could reach).
+
+The GPU is kept busy by a long sleep, so only host time is measured. Writes JSON.
+
+    python benchmarks/probe_launch.py [--heads 32/8] [--out launch.json]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+
+import torch
+
+from treeattn import TreeAttention
+from treeattn.bench.timing import provenance
+from treeattn.kernels import attention as kernels
+from treeattn.workloads import tree_from_spec
+
+CASES = ["1,256_256,32", "1,16,64_1024,256,32", "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16"]
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Microseconds of host time per call of ``fn`` while the GPU sleeps (calls only queue)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
+class Spy:
+    """Records the arguments of a compiled kernel's launcher (``CompiledKernel.run``)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def wrap(self, compiled):
+        if getattr(compiled, "_spied", False):
+            return
+        real = compiled.run
+
+        def run(*args):
+            self.calls.append((compiled, real, args))
+            return real(*args)
+        compiled.run = run
+        compiled._spied = True
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", default="32/8")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    hq, hkv = (int(x) for x in args.heads.split("/"))
+    d, dtype = 128, torch.float16
+    res = {**provenance(), "rows": []}
+    for spec in CASES:
+        tree = tree_from_spec(spec)
+        k = torch.randn(tree.num_tokens, 1, hkv, d, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(tree.num_queries, hq, d, device="cuda", dtype=dtype)
+        out = torch.empty_like(q)
+        for streams in (True, False):
+            w = TreeAttention(device="cuda", streams=3 if streams else 0)
+            plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy="auto")
+
+            def run(w=w, plan=plan):
+                w.run(q, k, v, plan, out=out)
+            run()
+            whole = host_us(run)
+            # every compiled kernel run() launched, with the arguments it was given
+            spy = Spy()
+            for fn in (kernels._tree_partial_attention_kernel, kernels._merge_states_kernel):
+                for cache in fn.device_caches.values():
+                    for compiled in cache[0].values():
+                        spy.wrap(compiled)
+            run()
+            calls = list(spy.calls)
+            launcher_only = host_us(lambda: [real(*a) for _, real, a in calls])
+            prof = cProfile.Profile()
+            torch.cuda._sleep(1_000_000_000)
+            prof.enable()
+            for _ in range(100):
+                run()
+            prof.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(16)
+            row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plan.strategy, "streams": streams,
+                   "launches": len(calls), "run_host_us": whole, "launchers_only_us": launcher_only,
+                   "profile": s.getvalue().splitlines()[-26:]}
+            res["rows"].append(row)
+            print(f"{spec[:32]:32s} {plan.strategy:8s} streams {streams!s:5s} launches {len(calls)} "
+                  f"run() {whole:6.1f} us, its launchers alone {launcher_only:6.1f} us", flush=True)
+    print("\n".join(res["rows"][0]["profile"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
