@@ -9,6 +9,7 @@ from helpers import rel_l2
 from treeattn.ops import merge_config, merge_partials
 from treeattn import (STRATEGIES, DecodingTree, KVPool, KVPoolOutOfMemory, TreeAttention,
                       merge_states, reference_attention, tree_attention)
+from treeattn.workloads import tree_from_spec
 
 
 def dense_path_attention(q, k, v, parents, lengths, query_nodes, query_prefix):
@@ -101,6 +102,18 @@ def test_caller_owned_workspace_and_lse():
     o_ref, lse_ref = reference_attention(q, k, v, tree)
     assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
     assert lse.dtype == torch.float32
+
+
+def test_partial_buffers_are_made_once_per_plan_and_workspace():
+    w = TreeAttention(backend="triton")
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    small = w.plan(DecodingTree.from_parents([-1, 0, 0], [30, 3, 7]), strategy="node", **heads)
+    first = w.partial_buffers(small)
+    assert all(a is b for a, b in zip(first, w.partial_buffers(small)))
+    big = w.plan(tree_from_spec("1,64_300,20"), strategy="node", **heads)  # grows the workspace
+    again = w.partial_buffers(small)
+    assert all(a is not b for a, b in zip(first, again))
+    assert again[0].untyped_storage().data_ptr() == w._workspace.data_ptr() == w.partial_buffers(big)[0].data_ptr()
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float16, 33), (torch.bfloat16, 16), (torch.float32, 33)])

@@ -1,6 +1,8 @@
 """Public attention API: the plan/run wrapper, the functional form and ``merge_states``."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, merge_partials,
@@ -80,6 +82,7 @@ class TreeAttention:
         self.backend = _resolve_backend(backend, self.device)
         self._workspace = workspace
         self._owns_workspace = workspace is None
+        self._views = weakref.WeakKeyDictionary()  # plan -> (workspace, o_part, lse_part)
         if streams < 0:
             raise ValueError(f"streams must be >= 0, got {streams}")
         self._streams = (tuple(torch.cuda.Stream(self.device) for _ in range(streams))
@@ -134,6 +137,9 @@ class TreeAttention:
         """Views of the workspace that ``run`` gives ``plan``'s partial results:
         ``o_part [R, Hq, D]`` in ``plan.heads.partial_dtype`` and fp32 ``lse_part [R, Hq]`` (to
         launch the kernels one by one)."""
+        made = self._views.get(plan)
+        if made is not None and made[0] is self._workspace:  # (a run per layer: made once)
+            return made[1], made[2]
         if self._workspace is None or self._workspace.numel() * 4 < plan.workspace_bytes():
             raise ValueError("this plan was not made by this wrapper (workspace too small)")
         rows, hq, d = plan.num_rows, plan.heads.num_qo_heads, plan.heads.head_dim
@@ -141,6 +147,7 @@ class TreeAttention:
         words = -(-rows * hq * d * dtype.itemsize // 4)  # fp32 words the outputs take
         o_part = self._workspace[:words].view(dtype)[: rows * hq * d].view(rows, hq, d)
         lse_part = self._workspace[words: words + rows * hq].view(rows, hq)
+        self._views[plan] = (self._workspace, o_part, lse_part)
         return o_part, lse_part
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,

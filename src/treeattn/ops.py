@@ -134,7 +134,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """
     _check_triton_device(q)
     h = plan.heads
-    block_d = max(16, triton.next_power_of_2(h.head_dim))
+    block_d = max(16, 1 << (h.head_dim - 1).bit_length())
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
     mask_args = (plan.tree_mask, plan.query_pos, plan.query_prefix)
@@ -198,15 +198,15 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py).
     With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
     launch that waits for the partial rows on the device."""
+    n = merge_q_indices.numel()
+    if n == 0:  # (every query's row was final: nothing to merge or check)
+        return
     _check_triton_device(o_part)
     for name, t in (("merge_q_indices", merge_q_indices), ("merge_indptr", merge_indptr),
                     ("merge_indices", merge_indices)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor (got {t.dtype}, strides {t.stride()})")
     heads, d = out.shape[1:]
-    n = merge_q_indices.numel()
-    if n == 0:
-        return
     block_d = triton.next_power_of_2(d)
     if block_h is None:
         block_h, default_warps = merge_config(n, heads, d)
