@@ -5,8 +5,8 @@ import weakref
 
 import torch
 
-from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, merge_partials,
-                          partial_attention)
+from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, launch_cache,
+                          merge_partials, partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
 from treeattn.plan.update import update_plan
 from treeattn.reference import merge_states_torch, run_plan_torch
@@ -218,7 +218,8 @@ class TreeAttention:
                               lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
                               pdl=self.pdl)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
-                           plan.merge_indices, out, lse, pdl=self.pdl)
+                           plan.merge_indices, out, lse, pdl=self.pdl,
+                           cache=launch_cache(plan) if q.is_cuda else None)
         return (out, lse) if return_lse else out
 
 

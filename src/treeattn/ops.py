@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
+from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
@@ -26,7 +27,7 @@ from treeattn.plan.addressing import (
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "precompile"]
+           "launch_cache", "precompile"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -75,6 +76,40 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
 
 
+def launch_cache(plan: Plan) -> dict:
+    """The compiled kernels that :func:`partial_attention` and :func:`merge_partials` launch for
+    ``plan`` (kept on the plan: made on its first run, reused by every layer and step)."""
+    return plan.__dict__.setdefault("_launch_cache", {})
+
+
+def _arg_key(arg):
+    # what Triton specialises a kernel on: a tensor's dtype and 16-byte alignment, a scalar's
+    # value (finer than Triton's key, which only looks at ints' divisibility and range)
+    return (arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else arg
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None) -> None:
+    """``kernel[grid](*args, **kwargs)``. With ``cache``, a call whose dtypes, tensor alignments,
+    scalars, constexprs and launch options all match an earlier one's launches that call's compiled
+    kernel directly: Triton binds and specialises every argument on each ``kernel[grid]`` call,
+    ~25 us of host time a launch on the H200's host, against ~9 us for the launch itself
+    (benchmarks/probe_launch.py). Under Triton's interpreter nothing is compiled or kept."""
+    if cache is None:
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, torch.cuda.current_device(), grid, tuple(kwargs.items()), *map(_arg_key, args))
+    hit = cache.get(key)
+    if hit is not None:
+        compiled, tail = hit
+        compiled[grid](*args, *tail)  # (a compiled kernel takes every parameter, constexprs included)
+        return
+    compiled = kernel[grid](*args, **kwargs)
+    params = kernel.params[len(args):]
+    tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
+    if isinstance(compiled, CompiledKernel) and all(p.name in kwargs or p.has_default for p in params):
+        cache[key] = (compiled, tail)
+
+
 def _pdl_kwargs(pdl: bool) -> dict:
     """Launch options of a programmatic dependent launch (the kernels' ``PDL`` branches included)."""
     return {"PDL": True, "launch_pdl": True} if pdl else {}
@@ -107,7 +142,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                       streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
                       layer_stride: int = 0, pdl: bool = False) -> None:
-    """Launch the partial-attention kernel for every launch group of ``plan``.
+    """Launch the partial-attention kernel for every launch group of ``plan`` (on CUDA, through
+    the plan's :func:`launch_cache`).
 
     Writes ``o_part [R, Hq, D]`` (``plan.heads.partial_dtype``) and ``lse_part [R, Hq]`` (fp32,
     natural-log LSE) of the rows
@@ -148,6 +184,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
+    cache = launch_cache(plan) if q.device.type == "cuda" else None
     if pdl and (side or q.device.type != "cuda"):
         raise ValueError("pdl needs CUDA tensors and no side streams")
     pdl_args = _pdl_kwargs(pdl)
@@ -160,7 +197,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
         descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
                  if launch.tma and launch.contig and h.head_dim == block_d else None)
-        _tree_partial_attention_kernel[grid](
+        args = (
             q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
@@ -169,14 +206,16 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-            out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0),
+            out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
+        kwargs = dict(
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
-            TMA=descs is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args,
-        )
+            TMA=descs is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args)
+        # (descriptors are launched through Triton's own path: they are specialised on more)
+        _launch(_tree_partial_attention_kernel, grid, args, kwargs, None if descs is not None else cache)
 
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
         if i == 0 or not side:
@@ -191,13 +230,14 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
                    lse_out: torch.Tensor | None, *, block_h: int | None = None,
-                   num_warps: int | None = None, pdl: bool = False) -> None:
+                   num_warps: int | None = None, pdl: bool = False, cache: dict | None = None) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
     ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``block_h`` (heads per program, a
     power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py).
     With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
-    launch that waits for the partial rows on the device."""
+    launch that waits for the partial rows on the device. ``cache``: a plan's
+    :func:`launch_cache` (CUDA only)."""
     n = merge_q_indices.numel()
     if n == 0:  # (every query's row was final: nothing to merge or check)
         return
@@ -213,13 +253,12 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         num_warps = num_warps or default_warps
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
-    _merge_states_kernel[grid](
-        o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
-        o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-        out.stride(0), out.stride(1), lse_arg.stride(0),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
-        num_warps=num_warps or 4, **_pdl_kwargs(pdl),
-    )
+    args = (o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
+            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+            out.stride(0), out.stride(1), lse_arg.stride(0))
+    kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
+                  num_warps=num_warps or 4, **_pdl_kwargs(pdl))
+    _launch(_merge_states_kernel, grid, args, kwargs, cache)
 
 
 def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, int]:

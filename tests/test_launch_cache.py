@@ -1,0 +1,49 @@
+"""Launching a plan's compiled kernels directly (``ops.launch_cache``) gives what Triton's own
+launch path gives, and keys every input Triton specialises on."""
+import pytest
+import torch
+
+from helpers import rel_l2
+from treeattn import TreeAttention, reference_attention
+from treeattn.ops import launch_cache
+from treeattn.workloads import tree_from_medusa, tree_from_spec
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA")
+
+
+def _inputs(tree, hq, hkv, d, dtype, device, offset=0):
+    """q (a view ``offset`` elements into its storage), k and v caches of page size 1."""
+    q = torch.randn(tree.num_queries * hq * d + offset, device=device, dtype=dtype)[offset:]
+    k = torch.randn(int(tree.kv_indices.max()) + 1, 1, hkv, d, device=device, dtype=dtype)
+    return q.view(tree.num_queries, hq, d), k, torch.randn_like(k)
+
+
+def test_nothing_is_kept_without_cuda():
+    tree = tree_from_spec("1,4_40,6")
+    w = TreeAttention(device="cpu", backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=16, strategy="node")
+    q, k, v = _inputs(tree, 4, 2, 16, torch.float32, "cpu")
+    w.run(q, k, v, plan)
+    assert launch_cache(plan) == {}
+
+
+@cuda
+@pytest.mark.parametrize("strategy", ["node", "paths", "sequence"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_direct_launches_match_tritons_path(strategy, dtype):
+    tree = tree_from_medusa(32, context_len=300) if strategy == "paths" else tree_from_spec("1,8,32_300,40,9")
+    w = TreeAttention(device="cuda")
+    plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype, strategy=strategy)
+    q, k, v = _inputs(tree, 8, 2, 128, dtype, "cuda")
+    first = w.run(q, k, v, plan, return_lse=True)  # Triton's path; keeps the compiled kernels
+    kept = len(launch_cache(plan))
+    assert kept == len(plan.launches) + (plan.merge_q_indices.numel() > 0)
+    again = w.run(q, k, v, plan, return_lse=True)  # the kept kernels
+    assert len(launch_cache(plan)) == kept
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    # other tensors of the same kind reuse them; a misaligned q is another specialisation
+    for offset, more in ((0, 0), (1, 1)):
+        q2, k2, v2 = _inputs(tree, 8, 2, 128, dtype, "cuda", offset)
+        out = w.run(q2, k2, v2, plan)
+        assert len(launch_cache(plan)) == kept + more * len(plan.launches)
+        assert rel_l2(out, reference_attention(q2, k2, v2, tree)[0]) <= 1e-2
