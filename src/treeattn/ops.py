@@ -101,7 +101,8 @@ def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None) 
     hit = cache.get(key)
     if hit is not None:
         compiled, tail = hit
-        compiled[grid](*args, *tail)  # (a compiled kernel takes every parameter, constexprs included)
+        # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
+        compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
         return
     compiled = kernel[grid](*args, **kwargs)
     params = kernel.params[len(args):]
