@@ -47,6 +47,6 @@ def test_direct_launches_match_tritons_path(strategy, dtype):
     # other tensors of the same kind reuse them; a misaligned q is another specialisation
     for offset, more in ((0, 0), (1, 1)):
         q2, k2, v2 = _inputs(tree, 8, 2, 128, dtype, "cuda", offset)
-        out = w.run(q2, k2, v2, plan)
+        out = w.run(q2, k2, v2, plan, return_lse=True)[0]  # (without the LSE: other kernels)
         assert len(launch_cache(plan)) == kept + more * len(plan.launches)
         assert rel_l2(out, reference_attention(q2, k2, v2, tree)[0]) <= 1e-2
