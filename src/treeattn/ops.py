@@ -78,37 +78,42 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def launch_cache(plan: Plan) -> dict:
     """The compiled kernels that :func:`partial_attention` and :func:`merge_partials` launch for
-    ``plan`` (kept on the plan: made on its first run, reused by every layer and step)."""
+    ``plan`` (kept on the plan object: made on its first run, reused by every layer and step).
+
+    Triton binds and specialises every argument on each ``kernel[grid](...)`` call, ~25 us of
+    host time a launch on the H200's host against ~9 us for the launch itself
+    (benchmarks/probe_launch.py). A call whose inputs match an earlier one's in everything
+    Triton specialises on (dtypes, 16-byte alignment of the tensors, the scalars, the
+    constexprs and launch options) launches that call's compiled kernel directly. Under
+    Triton's interpreter nothing is compiled or kept."""
     return plan.__dict__.setdefault("_launch_cache", {})
 
 
-def _arg_key(arg):
-    # what Triton specialises a kernel on: a tensor's dtype and 16-byte alignment, a scalar's
-    # value (finer than Triton's key, which only looks at ints' divisibility and range)
-    return (arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else arg
+def _aligned(*tensors) -> tuple:
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None) -> None:
-    """``kernel[grid](*args, **kwargs)``. With ``cache``, a call whose dtypes, tensor alignments,
-    scalars, constexprs and launch options all match an earlier one's launches that call's compiled
-    kernel directly: Triton binds and specialises every argument on each ``kernel[grid]`` call,
-    ~25 us of host time a launch on the H200's host, against ~9 us for the launch itself
-    (benchmarks/probe_launch.py). Under Triton's interpreter nothing is compiled or kept."""
-    if cache is None:
-        kernel[grid](*args, **kwargs)
-        return
-    key = (kernel, torch.cuda.current_device(), grid, tuple(kwargs.items()), *map(_arg_key, args))
-    hit = cache.get(key)
-    if hit is not None:
-        compiled, tail = hit
-        # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
-        compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
-        return
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None, key) -> None:
+    """``kernel[grid](*args, **kwargs)``, keeping the compiled kernel in ``cache`` under ``key``
+    (which must tell apart every specialisation of these arguments) for :func:`_launch_kept`."""
     compiled = kernel[grid](*args, **kwargs)
+    if cache is None:
+        return
     params = kernel.params[len(args):]
-    tail = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params)
     if isinstance(compiled, CompiledKernel) and all(p.name in kwargs or p.has_default for p in params):
-        cache[key] = (compiled, tail)
+        # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
+        cache[key] = (compiled, grid + (1,) * (3 - len(grid)),
+                      tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params))
+
+
+def _launch_kept(cache: dict | None, key, args: tuple) -> bool:
+    """Launch the compiled kernel kept under ``key`` with ``args``; False when there is none."""
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        return False
+    compiled, grid, tail = hit
+    compiled[grid](*args, *tail)
+    return True
 
 
 def _pdl_kwargs(pdl: bool) -> dict:
@@ -185,7 +190,16 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
-    cache = launch_cache(plan) if q.device.type == "cuda" else None
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
+               lse_part.stride(0), out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
+    cache = call = None
+    if q.device.type == "cuda":
+        # what this call's launches are specialised on beyond the plan's own tensors (fixed for
+        # the plan object) and each launch's config: one key part for all of them
+        cache = launch_cache(plan)
+        call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None,
+                pdl, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
     if pdl and (side or q.device.type != "cuda"):
         raise ValueError("pdl needs CUDA tensors and no side streams")
     pdl_args = _pdl_kwargs(pdl)
@@ -193,9 +207,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for stream in side:  # fork before anything is queued on the main stream
         stream.wait_stream(main)
 
-    def launch_group(launch, first: bool) -> None:
-        units = launch.work_end - launch.work_start
-        grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
+    def launch_group(i: int, launch, first: bool) -> None:
         descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
                  if launch.tma and launch.contig and h.head_dim == block_d else None)
         args = (
@@ -203,11 +215,13 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args,
             launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride, int(first),
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-            out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
+            *strides)
+        # (descriptors go through Triton's own path: it specialises them on more)
+        kept = cache if descs is None else None
+        if _launch_kept(kept, (i, call), args):
+            return
+        units = launch.work_end - launch.work_start
+        grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
         kwargs = dict(
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
@@ -215,15 +229,14 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
             DOT_PRECISION=precision, UPCAST=upcast,
             TMA=descs is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args)
-        # (descriptors are launched through Triton's own path: they are specialised on more)
-        _launch(_tree_partial_attention_kernel, grid, args, kwargs, None if descs is not None else cache)
+        _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))
 
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
         if i == 0 or not side:
-            launch_group(launch, i == 0)
+            launch_group(i, launch, i == 0)
         else:
             with torch.cuda.stream(side[(i - 1) % len(side)]):
-                launch_group(launch, False)
+                launch_group(i, launch, False)
     for stream in side:  # join: the merge (and the caller) see every launch's rows
         main.wait_stream(stream)
 
@@ -237,8 +250,8 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``block_h`` (heads per program, a
     power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py).
     With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
-    launch that waits for the partial rows on the device. ``cache``: a plan's
-    :func:`launch_cache` (CUDA only)."""
+    launch that waits for the partial rows on the device. ``cache``: the :func:`launch_cache` of
+    the plan these index tensors are (CUDA only)."""
     n = merge_q_indices.numel()
     if n == 0:  # (every query's row was final: nothing to merge or check)
         return
@@ -257,9 +270,15 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     args = (o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
             o_part.stride(0), o_part.stride(1), lse_part.stride(0),
             out.stride(0), out.stride(1), lse_arg.stride(0))
+    key = None
+    if cache is not None:
+        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, num_warps, pdl,
+               lse_out is not None, _aligned(*args[:7]))
+        if _launch_kept(cache, key, args):
+            return
     kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
                   num_warps=num_warps or 4, **_pdl_kwargs(pdl))
-    _launch(_merge_states_kernel, grid, args, kwargs, cache)
+    _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
 
 
 def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, int]:

@@ -52,6 +52,7 @@ def _replace(obj, **changes):
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
     new.__dict__.update(changes)
+    new.__dict__.pop("_launch_cache", None)  # (kept kernels belong to the plan's own tensors)
     return new
 
 
