@@ -50,3 +50,23 @@ def test_direct_launches_match_tritons_path(strategy, dtype):
         out = w.run(q2, k2, v2, plan, return_lse=True)[0]  # (without the LSE: other kernels)
         assert len(launch_cache(plan)) == kept + more * len(plan.launches)
         assert rel_l2(out, reference_attention(q2, k2, v2, tree)[0]) <= 1e-2
+
+
+@cuda
+def test_a_patched_plan_keeps_its_own_kernels():
+    tree = tree_from_spec("1,8_300,9")
+    w = TreeAttention(device="cuda")
+    plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=128, strategy="node")
+    counts = (tree.lengths * 0).copy()
+    counts[tree.query_nodes] = 1
+    grown = tree.append(counts, tree.num_tokens + torch.arange(tree.num_queries).numpy())
+    q = torch.randn(tree.num_queries, 8, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(grown.num_tokens, 1, 2, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    w.run(q, k, v, plan)
+    w.run(q, k, v, plan)
+    patched = w.update(plan, grown)
+    assert launch_cache(plan) and "_launch_cache" not in patched.__dict__
+    for _ in range(2):
+        out = w.run(q, k, v, patched)
+        assert rel_l2(out, reference_attention(q, k, v, grown)[0]) <= 1e-2
