@@ -2,6 +2,7 @@
 launch path gives, and keys every input Triton specialises on."""
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,9 +58,9 @@ def test_a_patched_plan_keeps_its_own_kernels():
     tree = tree_from_spec("1,8_300,9")
     w = TreeAttention(device="cuda")
     plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=128, strategy="node")
-    counts = (tree.lengths * 0).copy()
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
     counts[tree.query_nodes] = 1
-    grown = tree.append(counts, tree.num_tokens + torch.arange(tree.num_queries).numpy())
+    grown = tree.append(counts, tree.num_tokens + np.arange(tree.num_queries))
     q = torch.randn(tree.num_queries, 8, 128, device="cuda", dtype=torch.float16)
     k = torch.randn(grown.num_tokens, 1, 2, 128, device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
