@@ -13,30 +13,15 @@ import cProfile
 import io
 import json
 import pstats
-import time
 
 import torch
 
 from treeattn import TreeAttention
-from treeattn.bench.timing import provenance
+from treeattn.bench.timing import host_us, provenance
 from treeattn.kernels import attention as kernels
 from treeattn.workloads import tree_from_spec
 
 CASES = ["1,256_256,32", "1,16,64_1024,256,32", "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16"]
-
-
-def host_us(fn, n: int = 200) -> float:
-    """Microseconds of host time per call of ``fn`` while the GPU sleeps (calls only queue)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return dt
 
 
 class Spy:
@@ -92,8 +77,9 @@ def main(argv=None) -> None:
 
             def run(w=w, plan=plan):
                 w.run(q, k, v, plan, out=out)
-            run()
-            whole = host_us(run)
+            for _ in range(5):
+                run()
+            whole = host_us(run, 200)
             # every compiled kernel run() launched, with the arguments it was given
             spy = Spy()
             for fn in (kernels._tree_partial_attention_kernel, kernels._merge_states_kernel):
@@ -102,13 +88,13 @@ def main(argv=None) -> None:
                         spy.wrap(compiled)
             run()
             calls = list(spy.calls)
-            launcher_only = host_us(lambda: [real(*a) for _, real, a in calls])
+            launcher_only = host_us(lambda: [real(*a) for _, real, a in calls], 200)
             jit_calls = []
             for fn in (kernels._tree_partial_attention_kernel, kernels._merge_states_kernel):
                 with JitSpy(fn) as js:
                     run()
                 jit_calls += [(js.real, a, kw) for a, kw in js.calls]
-            jit_only = host_us(lambda: [real(*a, **kw) for real, a, kw in jit_calls])
+            jit_only = host_us(lambda: [real(*a, **kw) for real, a, kw in jit_calls], 200)
             prof = cProfile.Profile()
             torch.cuda._sleep(1_000_000_000)
             prof.enable()

@@ -8,29 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import triton
 
 from treeattn import TreeAttention
-from treeattn.bench.timing import provenance
+from treeattn.bench.timing import host_us, provenance
 from treeattn.workloads import tree_from_spec
 
 CASES = ["1,256_256,32", "1,10_4096,416", "1,4,16,512_1024,256,128,32", "1,16,64_1024,256,32",
          "8,16,32,256_512,512,256,32", "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16"]
-
-
-def host_us(fn, n: int = 300) -> float:
-    """Microseconds of host time a call while the GPU sleeps (the calls only queue)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return dt
 
 
 def main(argv=None) -> None:
@@ -53,7 +40,7 @@ def main(argv=None) -> None:
                 w.run(q, k, v, plan, out=out)
             for _ in range(10):
                 run()
-            host = min(host_us(run) for _ in range(3))
+            host = min(host_us(run, 200) for _ in range(3))
             eager = triton.testing.do_bench(run, return_mode="median") * 1e3
             kept = len(plan.__dict__.get("_launch_cache", {}))
             res["rows"].append({"tree": spec, "hq": hq, "hkv": hkv, "strategy": plan.strategy,

@@ -15,7 +15,6 @@ import json
 import os
 import pstats
 import sys
-import time
 
 import torch
 
@@ -24,23 +23,11 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from treeattn import TreeAttention
-from treeattn.bench.timing import capture
+from treeattn.bench.timing import capture, host_us
 from treeattn.workloads import tree_from_spec
 
 CASES = ["1,2,64_8,256,32", "1,256_256,32", "8,16,32,256_512,512,256,32",
          "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16"]
-
-
-def host_us(fn, n: int = 50) -> float:
-    """Microseconds of host time per call of ``fn`` while the GPU is blocked by a long sleep."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the calls below only queue
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return dt
 
 
 def main(argv=None) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import time
 
 import torch
 
@@ -46,6 +47,20 @@ def time_run(wrapper, plan, q, k_cache, v_cache, out) -> tuple[float, float]:
     graph = capture(wrapper, plan, q, k_cache, v_cache, out)
     replay = triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
     return eager, replay
+
+
+def host_us(fn, n: int = 50) -> float:
+    """Microseconds of host time a call of ``fn`` while the GPU sleeps (~1 s), so the calls only
+    queue. Keep ``n`` times the kernels a call launches under CUDA's pending-launch queue (~1000),
+    or the host ends up waiting for the GPU."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
 
 
 def graph_us(fn, *, warmup: int = 10, rep: int = 40) -> float:
