@@ -9,15 +9,12 @@ The GPU is kept busy by a long sleep, so only host time is measured. Writes JSON
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 
 import torch
 
 from treeattn import TreeAttention
-from treeattn.bench.timing import host_us, provenance
+from treeattn.bench.timing import host_profile, host_us, provenance
 from treeattn.kernels import attention as kernels
 from treeattn.workloads import tree_from_spec
 
@@ -95,19 +92,11 @@ def main(argv=None) -> None:
                     run()
                 jit_calls += [(js.real, a, kw) for a, kw in js.calls]
             jit_only = host_us(lambda: [real(*a, **kw) for real, a, kw in jit_calls], 200)
-            prof = cProfile.Profile()
-            torch.cuda._sleep(1_000_000_000)
-            prof.enable()
-            for _ in range(100):
-                run()
-            prof.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(16)
+            profile = host_profile(run, 100, 16)
             row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plan.strategy, "streams": streams,
                    "launches": len(calls), "run_host_us": whole, "launchers_only_us": launcher_only,
                    "jit_runs_only_us": jit_only,
-                   "profile": s.getvalue().splitlines()[-26:]}
+                   "profile": profile[-26:]}
             res["rows"].append(row)
             print(f"{spec[:32]:32s} {plan.strategy:8s} streams {streams!s:5s} launches {len(calls)} "
                   f"run() {whole:6.1f} us, its kernel[grid] calls alone {jit_only:6.1f} us, their launchers alone "

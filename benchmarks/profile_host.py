@@ -9,11 +9,8 @@ and graph-replay latencies, and a cProfile of many runs (top functions by own ti
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 
 import torch
@@ -23,7 +20,7 @@ try:
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 from treeattn import TreeAttention
-from treeattn.bench.timing import capture, host_us
+from treeattn.bench.timing import capture, host_profile, host_us
 from treeattn.workloads import tree_from_spec
 
 CASES = ["1,2,64_8,256,32", "1,256_256,32", "8,16,32,256_512,512,256,32",
@@ -58,19 +55,11 @@ def main(argv=None) -> int:
             eager = triton.testing.do_bench(run, return_mode="median") * 1e3
             graph = capture(w, plan, q, k, v, out)
             replay = triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
-            prof = cProfile.Profile()
-            torch.cuda._sleep(2_000_000_000)
-            prof.enable()
-            for _ in range(50):
-                run()
-            prof.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+            profile = host_profile(run, 50, 14)
             merges = int(plan.merge_q_indices.numel() > 0)  # no merge launch without merged queries
             row = {"tree": spec, "strategy": strategy, "launches": len(plan.launches) + merges,
                    "host_us_per_run": h, "eager_us": eager, "graph_us": replay,
-                   "profile": s.getvalue().splitlines()[-24:]}
+                   "profile": profile[-24:]}
             rows.append(row)
             print(f"{spec[:30]:30s} {strategy:9s} launches {row['launches']:2d} host {h:7.1f} us "
                   f"eager {eager:7.1f} graph {replay:7.1f}", flush=True)

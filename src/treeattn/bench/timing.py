@@ -63,6 +63,26 @@ def host_us(fn, n: int = 50) -> float:
     return dt
 
 
+def host_profile(fn, n: int = 50, top: int = 16) -> list[str]:
+    """cProfile of ``n`` calls of ``fn`` while the GPU sleeps: the ``top`` functions by own time,
+    as printed lines."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue().splitlines()
+
+
 def graph_us(fn, *, warmup: int = 10, rep: int = 40) -> float:
     """Median microseconds of a CUDA-graph replay of one call of ``fn`` (``do_bench``, L2
     flushed between replays)."""
