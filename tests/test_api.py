@@ -31,16 +31,17 @@ def dense_path_attention(q, k, v, parents, lengths, query_nodes, query_prefix):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_tree_attention_contract(backend, strategy):
+def test_tree_attention_contract(backend, strategy, device):
     parents = [3, 3, 0, -1, 0]  # parents after children; node 3 is the root
     lengths = [4, 6, 2, 9, 1]
     q = torch.randn(3, 4, 64)
     k, v = torch.randn(22, 2, 64), torch.randn(22, 2, 64)
-    out = tree_attention(q, k, v, parents, lengths, strategy=strategy, backend=backend)
+    on = (lambda *ts: [t.to(device) for t in ts]) if backend == "triton" else (lambda *ts: ts)
+    out = tree_attention(*on(q, k, v), parents, lengths, strategy=strategy, backend=backend).cpu()
     ref = dense_path_attention(q, k, v, parents, lengths, [1, 2, 4], [6, 2, 1])  # leaves in id order
     assert rel_l2(out, ref) <= 1e-4
-    out = tree_attention(q, k, v, parents, lengths, query_nodes=[0, 3, 1], query_prefix=[2, 5, 0],
-                         strategy=strategy, backend=backend)
+    out = tree_attention(*on(q, k, v), parents, lengths, query_nodes=[0, 3, 1], query_prefix=[2, 5, 0],
+                         strategy=strategy, backend=backend).cpu()
     ref = dense_path_attention(q, k, v, parents, lengths, [0, 3, 1], [2, 5, 0])
     assert rel_l2(out, ref) <= 1e-4
 
@@ -91,14 +92,24 @@ def test_run_validates_against_the_plan():
                                                               head_dim=32)
 
 
-def test_caller_owned_workspace_and_lse():
+def test_triton_run_on_cpu_tensors_without_the_interpreter_names_the_problem(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    tree = DecodingTree.from_parents([-1, 0, 0], [30, 3, 7])
+    w = TreeAttention(backend="triton")
+    plan = w.plan(tree, num_qo_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, strategy="node")
+    k = torch.randn(40, 1, 1, 16)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        w.run(torch.randn(2, 2, 16), k, k, plan)
+
+
+def test_caller_owned_workspace_and_lse(device):
     tree = DecodingTree.from_parents([-1, 0, 0, 1], [30, 3, 7, 2])
-    ws = torch.empty(1 << 16)
+    ws = torch.empty(1 << 16, device=device)
     w = TreeAttention(ws, backend="triton")
     plan = w.plan(tree, num_qo_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, strategy="node")
     assert plan.workspace_bytes() <= ws.numel() * 4
     q, k, v = torch.randn(2, 2, 16), torch.randn(42, 1, 1, 16), torch.randn(42, 1, 1, 16)
-    out, lse = w.run(q, k, v, plan, return_lse=True)
+    out, lse = (t.cpu() for t in w.run(q.to(device), k.to(device), v.to(device), plan, return_lse=True))
     o_ref, lse_ref = reference_attention(q, k, v, tree)
     assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
     assert lse.dtype == torch.float32

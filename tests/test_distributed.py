@@ -302,7 +302,7 @@ def test_plan_local_paged_pool():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_pack_unpack_triton_matches_torch(dtype):
+def test_pack_unpack_triton_matches_torch(dtype, device):
     """The fused pack/unpack kernels (interpreter on CPU) against the PyTorch path, with -inf."""
     g = torch.Generator().manual_seed(0)
     o = torch.randn(3, 4, 20, generator=g).to(dtype)
@@ -312,14 +312,26 @@ def test_pack_unpack_triton_matches_torch(dtype):
     o[0, 1] = 0
     lse[2, 2] = m[2, 2] = float("-inf")
     o[2, 2] = 0
-    a = pack_partial(o, lse, m, use_triton=True)
+    a = pack_partial(o.to(device), lse.to(device), m.to(device), use_triton=True)
     b = pack_partial(o, lse, m, use_triton=False)
     assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     assert a[2, 2].abs().max() == 0
-    ua = unpack_merged(a, dtype, use_triton=True)
+    a = a.cpu()
+    ua = unpack_merged(a.to(device), dtype, use_triton=True).cpu()
     ub = unpack_merged(b, dtype, use_triton=False)
     assert ua.dtype == dtype and torch.allclose(ua.float(), ub.float(), rtol=1e-2, atol=1e-2)
     assert (ua[2, 2] == 0).all()
+
+
+def test_triton_pack_of_cpu_tensors_without_the_interpreter_names_the_problem(monkeypatch):
+    """CPU tensors with ``use_triton=True`` and the interpreter off: a clear error, not one from
+    deep in Triton's launcher."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    o, lse = torch.randn(2, 3, 8), torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        pack_partial(o, lse, lse, use_triton=True)
+    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
+        unpack_merged(torch.randn(2, 3, 9), torch.float32, use_triton=True)
 
 
 def test_formulas_match_paper():

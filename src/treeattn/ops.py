@@ -27,12 +27,14 @@ from treeattn.plan.addressing import (
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "launch_cache", "precompile"]
+           "launch_cache", "precompile", "check_triton_device"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_triton_device(t: torch.Tensor) -> None:
+def check_triton_device(t: torch.Tensor) -> None:
+    """Raise RuntimeError when ``t`` is on the CPU and Triton's interpreter is off (a kernel would
+    fail deep in Triton's launcher)."""
     if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            "triton is imported to run the kernels on CPU tensors")
@@ -174,7 +176,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     stream as on side streams. The next kernel on the stream must be a
     :func:`merge_partials` with ``pdl`` or an ordinary launch.
     """
-    _check_triton_device(q)
+    check_triton_device(q)
     h = plan.heads
     block_d = max(16, 1 << (h.head_dim - 1).bit_length())
     upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
@@ -255,7 +257,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     n = merge_q_indices.numel()
     if n == 0:  # (every query's row was final: nothing to merge or check)
         return
-    _check_triton_device(o_part)
+    check_triton_device(o_part)
     for name, t in (("merge_q_indices", merge_q_indices), ("merge_indptr", merge_indptr),
                     ("merge_indices", merge_indices)):
         if t.dtype != torch.int32 or not t.is_contiguous():

@@ -21,6 +21,7 @@ import triton
 
 from treeattn.distributed.comm import CommStats, all_reduce
 from treeattn.kernels.combine import _pack_kernel, _unpack_kernel
+from treeattn.ops import check_triton_device
 
 __all__ = ["allreduce_merge", "merge_running", "pack_partial", "unpack_merged"]
 
@@ -28,7 +29,11 @@ _FLOAT32_MIN = -3.4028234663852886e38
 
 
 def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
-    return t.is_cuda if use_triton is None else use_triton
+    if use_triton is None:
+        return t.is_cuda
+    if use_triton:
+        check_triton_device(t)
+    return use_triton
 
 
 def pack_partial(o: torch.Tensor, lse: torch.Tensor, m: torch.Tensor, *,
