@@ -312,11 +312,10 @@ def test_pack_unpack_triton_matches_torch(dtype, device):
     o[0, 1] = 0
     lse[2, 2] = m[2, 2] = float("-inf")
     o[2, 2] = 0
-    a = pack_partial(o.to(device), lse.to(device), m.to(device), use_triton=True)
+    a = pack_partial(o.to(device), lse.to(device), m.to(device), use_triton=True).cpu()
     b = pack_partial(o, lse, m, use_triton=False)
     assert torch.isfinite(a).all() and torch.allclose(a, b, rtol=1e-6, atol=1e-6)
     assert a[2, 2].abs().max() == 0
-    a = a.cpu()
     ua = unpack_merged(a.to(device), dtype, use_triton=True).cpu()
     ub = unpack_merged(b, dtype, use_triton=False)
     assert ua.dtype == dtype and torch.allclose(ua.float(), ub.float(), rtol=1e-2, atol=1e-2)
