@@ -7,8 +7,9 @@ Run it once per source tree (``PYTHONPATH=<version>/src``), alternating versions
     python benchmarks/ab_plans.py [--heads 32/8,64/8] [--medusa 32,64,128,256] [--contexts 1024,4096] --out A1.json
     python benchmarks/ab_plans.py --compare A1.json,A2.json B1.json,B2.json
 
-Cases: the kernel suite's trees whose ``auto`` plan applies the tree mask somewhere, and Medusa
-verification trees (tree-structured queries) over contexts. ``--compare`` takes each case's
+Cases: the kernel suite's trees whose ``auto`` plan applies the tree mask somewhere (with
+``--every``, all of them), and Medusa verification trees (tree-structured queries) over
+contexts. ``--compare`` takes each case's
 fastest run per version and prints the ratio B / A per case and its geometric mean.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def run(args) -> None:
             w = TreeAttention(device="cuda")
             kw = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
             plan = w.plan(tree, strategy="auto", **kw)
-            if not (plan.has_mask and plan.io.mask):
+            if not args.every and not (plan.has_mask and plan.io.mask):
                 continue
             q = torch.randn(tree.num_queries, hq, HEAD_DIM, device="cuda", dtype=torch.float16)
             k = torch.randn(int(tree.kv_indices.max()) + 1, 1, hkv, HEAD_DIM, device="cuda", dtype=torch.float16)
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--suite", default="all")
     ap.add_argument("--medusa", default="32,64,128,256")
     ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--every", action="store_true", help="every case, not only those whose plan applies the mask")
     ap.add_argument("--out")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="comma-separated JSON files of each version")
     args = ap.parse_args()

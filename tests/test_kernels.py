@@ -197,6 +197,31 @@ def test_split_tail_matches_reference(rng, device, strategy, spec, hkv, dtype):
     assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
 
 
+@pytest.mark.parametrize("ramp", [0.05, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_whole_tiles_with_growing_scores_match_reference(device, dtype, ramp):
+    """The select-free step over whole unmasked KV tiles keeps the running max and rescales
+    the state as scores grow along the sequence, by a little (``ramp`` 0.05) or by a lot (1.0:
+    in 16 bits a stale max would overflow ``p``), and gives the reference's result."""
+    tree = tree_from_spec("1,3_600,70")
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(tree.num_queries, 4, 32, generator=g)
+    scale = (1.0 + ramp * torch.arange(tree.num_tokens) / 64.0)[:, None, None]
+    k = torch.randn(tree.num_tokens, 2, 32, generator=g) * scale
+    v = torch.randn(tree.num_tokens, 2, 32, generator=g)
+    q, k, v = (t.to(dtype).to(device) for t in (q, k, v))
+    w = TreeAttention(device=device, backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype, strategy="node")
+    tails = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, split_tail=True)
+                                                     for ln in plan.launches))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((tree.num_queries, 4), float("nan"), device=device)
+    w.run(q, k[:, None], v[:, None], tails, out=out, lse=lse)
+    o_ref, lse_ref = reference_attention(q.double(), k[:, None].double(), v[:, None].double(), tree)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
+
+
 @pytest.mark.parametrize("strategy,spec", [("node", "1,4,16_300,40,9"), ("pack", "2,8_300,20"), ("flatten", "2,8_64,20")])
 def test_tall_first_launch_order_matches_reference(rng, device, strategy, spec):
     """Running a plan's launches tallest first (``Plan.tall_first``: the builder sets it when a
