@@ -14,8 +14,7 @@ import os
 import torch
 import triton
 
-from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM, case_inputs
+from treeattn.bench.kernels import case_inputs, case_run
 from treeattn.bench.timing import provenance, time_run
 from treeattn.plan import STRATEGIES
 from treeattn.workloads import tree_from_spec
@@ -26,24 +25,17 @@ CASES = ["1,16,64_1024,256,32", "1,4,8,256_8,256,256,32", "8,16,32,256_512,512,2
 
 def eager_auto(spec: str, hq: int, hkv: int, streams: int = 3, pdl: bool = False) -> float:
     tree = tree_from_spec(spec)
-    q, k, v, out = case_inputs(tree, hq, hkv)
-    w = TreeAttention(device="cuda", streams=streams, pdl=pdl)
-    plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy="auto")
-
-    def run():
-        w.run(q, k, v, plan, out=out)
-
+    _, _, run = case_run(tree, hq, hkv, case_inputs(tree, hq, hkv), streams=streams, pdl=pdl)
     return triton.testing.do_bench(run, return_mode="median") * 1e3
 
 
 def other_strategies(spec: str, hq: int, hkv: int) -> None:
     """The previous case's strategies, timed as bench kernels times them (eager, then a graph)."""
     tree = tree_from_spec(spec)
-    q, k, v, out = case_inputs(tree, hq, hkv)
+    inputs = case_inputs(tree, hq, hkv)
     for s in STRATEGIES[1:]:
-        w = TreeAttention(device="cuda", streams=3)
-        plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy=s)
-        time_run(w, plan, q, k, v, out)
+        w, plan, _ = case_run(tree, hq, hkv, inputs, strategy=s, streams=3)
+        time_run(w, plan, *inputs)
     torch.cuda.empty_cache()
 
 

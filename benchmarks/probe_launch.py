@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
 
-from treeattn import TreeAttention
+from treeattn.bench.kernels import case_inputs, case_run
 from treeattn.bench.timing import host_profile, host_us, provenance
 from treeattn.kernels import attention as kernels
 from treeattn.workloads import tree_from_spec
@@ -60,20 +59,12 @@ def main(argv=None) -> None:
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     hq, hkv = (int(x) for x in args.heads.split("/"))
-    d, dtype = 128, torch.float16
     res = {**provenance(), "rows": []}
     for spec in CASES:
         tree = tree_from_spec(spec)
-        k = torch.randn(tree.num_tokens, 1, hkv, d, device="cuda", dtype=dtype)
-        v = torch.randn_like(k)
-        q = torch.randn(tree.num_queries, hq, d, device="cuda", dtype=dtype)
-        out = torch.empty_like(q)
+        inputs = case_inputs(tree, hq, hkv)
         for streams in (True, False):
-            w = TreeAttention(device="cuda", streams=3 if streams else 0)
-            plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy="auto")
-
-            def run(w=w, plan=plan):
-                w.run(q, k, v, plan, out=out)
+            _, plan, run = case_run(tree, hq, hkv, inputs, streams=3 if streams else 0)
             for _ in range(5):
                 run()
             whole = host_us(run, 200)

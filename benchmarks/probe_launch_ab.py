@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
 import triton
 
-from treeattn import TreeAttention
+from treeattn.bench.kernels import case_inputs, case_run
 from treeattn.bench.timing import host_us, provenance
 from treeattn.workloads import tree_from_spec
 
@@ -29,15 +28,7 @@ def main(argv=None) -> None:
     for spec in CASES:
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            k = torch.randn(tree.num_tokens, 1, hkv, 128, device="cuda", dtype=torch.float16)
-            v = torch.randn_like(k)
-            q = torch.randn(tree.num_queries, hq, 128, device="cuda", dtype=torch.float16)
-            out = torch.empty_like(q)
-            w = TreeAttention(device="cuda")
-            plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, strategy="auto")
-
-            def run(w=w, plan=plan):
-                w.run(q, k, v, plan, out=out)
+            _, plan, run = case_run(tree, hq, hkv, case_inputs(tree, hq, hkv))
             for _ in range(10):
                 run()
             host = min(host_us(run, 200) for _ in range(3))

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM, case_inputs
+from treeattn.bench.kernels import case_inputs, case_run
 from treeattn.bench.timing import host_profile, host_us, provenance
 from treeattn.workloads import tree_from_spec
 
@@ -23,14 +22,9 @@ def main() -> None:
     rows = []
     for spec in CASES:
         tree = tree_from_spec(spec)
-        q, k, v, out = case_inputs(tree, hq, hkv)
+        inputs = case_inputs(tree, hq, hkv)
         for streams in (3, 0):
-            w = TreeAttention(device="cuda", streams=streams)
-            plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy="auto")
-
-            def run():
-                w.run(q, k, v, plan, out=out)
-
+            _, plan, run = case_run(tree, hq, hkv, inputs, streams=streams)
             for _ in range(3):
                 run()
             us = [host_us(run, n=max(10, 200 // (len(plan.launches) + 1))) for _ in range(3)]

@@ -19,7 +19,7 @@ try:
     import treeattn  # noqa: F401
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-from treeattn import TreeAttention
+from treeattn.bench.kernels import case_inputs, case_run
 from treeattn.bench.timing import capture, host_profile, host_us
 from treeattn.workloads import tree_from_spec
 
@@ -36,24 +36,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     hq, hkv = (int(x) for x in args.heads.split("/"))
-    d, dtype = 128, torch.float16
     rows = []
     for spec in CASES:
         tree = tree_from_spec(spec)
-        k = torch.randn(tree.num_tokens, 1, hkv, d, device="cuda", dtype=dtype)
-        v = torch.randn_like(k)
-        q = torch.randn(tree.num_queries, hq, d, device="cuda", dtype=dtype)
-        out = torch.empty_like(q)
+        inputs = case_inputs(tree, hq, hkv)
         for strategy in args.strategies.split(","):
-            w = TreeAttention(device="cuda")
-            plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy=strategy)
-
-            def run(w=w, plan=plan):
-                w.run(q, k, v, plan, out=out)
+            w, plan, run = case_run(tree, hq, hkv, inputs, strategy=strategy)
             run()
             h = host_us(run)
             eager = triton.testing.do_bench(run, return_mode="median") * 1e3
-            graph = capture(w, plan, q, k, v, out)
+            graph = capture(w, plan, *inputs)
             replay = triton.testing.do_bench(graph.replay, return_mode="median") * 1e3
             profile = host_profile(run, 50, 14)
             merges = int(plan.merge_q_indices.numel() > 0)  # no merge launch without merged queries

@@ -185,15 +185,22 @@ def test_split_tail_matches_reference(rng, device, strategy, spec, hkv, dtype):
     tree = tree_from_spec(spec)
     q, k, v = (torch.randn(n, h, 32, device=device).to(dtype) for n, h in (
         (tree.num_queries, 4), (tree.num_tokens, hkv), (tree.num_tokens, hkv)))
-    w = TreeAttention(device=device, backend="triton")
-    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=hkv, head_dim=32, dtype=dtype, strategy=strategy)
+    _assert_split_tails_match_reference(tree, q, k, v, strategy)
+
+
+def _assert_split_tails_match_reference(tree, q, k, v, strategy):
+    """``strategy``'s plan of ``tree`` with ``split_tail`` forced on every launch, run over ``q
+    [Q, 4, 32]`` and contiguous ``k``, ``v [T, Hkv, 32]`` (page size 1), against the float64
+    reference (fp32 1e-4, 16 bits 1e-2 relative L2)."""
+    w = TreeAttention(device=q.device, backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=k.shape[1], head_dim=32, dtype=q.dtype, strategy=strategy)
     tails = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, split_tail=True)
                                                      for ln in plan.launches))
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((tree.num_queries, 4), float("nan"), device=device)
+    lse = torch.full((tree.num_queries, 4), float("nan"), device=q.device)
     w.run(q, k[:, None], v[:, None], tails, out=out, lse=lse)
     o_ref, lse_ref = reference_attention(q.double(), k[:, None].double(), v[:, None].double(), tree)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    tol = 1e-4 if q.dtype == torch.float32 else 1e-2
     assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
 
 
@@ -209,17 +216,7 @@ def test_whole_tiles_with_growing_scores_match_reference(device, dtype, ramp):
     scale = (1.0 + ramp * torch.arange(tree.num_tokens) / 64.0)[:, None, None]
     k = torch.randn(tree.num_tokens, 2, 32, generator=g) * scale
     v = torch.randn(tree.num_tokens, 2, 32, generator=g)
-    q, k, v = (t.to(dtype).to(device) for t in (q, k, v))
-    w = TreeAttention(device=device, backend="triton")
-    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype, strategy="node")
-    tails = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, split_tail=True)
-                                                     for ln in plan.launches))
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((tree.num_queries, 4), float("nan"), device=device)
-    w.run(q, k[:, None], v[:, None], tails, out=out, lse=lse)
-    o_ref, lse_ref = reference_attention(q.double(), k[:, None].double(), v[:, None].double(), tree)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
+    _assert_split_tails_match_reference(tree, *(t.to(dtype).to(device) for t in (q, k, v)), "node")
 
 
 @pytest.mark.parametrize("strategy,spec", [("node", "1,4,16_300,40,9"), ("pack", "2,8_300,20"), ("flatten", "2,8_64,20")])

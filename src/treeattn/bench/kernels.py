@@ -37,6 +37,20 @@ def case_inputs(tree, hq: int, hkv: int) -> tuple:
     return q, k, torch.randn_like(k), torch.empty_like(q)
 
 
+def case_run(tree, hq: int, hkv: int, inputs: tuple, *, strategy: str = "auto", **wrapper_kw) -> tuple:
+    """``(wrapper, plan, run)`` for a suite case: ``strategy``'s plan of ``tree`` on a fresh
+    :class:`TreeAttention` (``wrapper_kw``: streams, pdl, ...) and ``run()``, one eager call of it
+    over ``inputs`` (:func:`case_inputs`), writing ``out`` (what the host-cost probes time)."""
+    q, k, v, out = inputs
+    w = TreeAttention(device="cuda", **wrapper_kw)
+    plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy=strategy)
+
+    def run():
+        w.run(q, k, v, plan, out=out)
+
+    return w, plan, run
+
+
 def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict, *,
                streams: int = 3, pdl: bool = False, tma: bool | None = None) -> dict:
     tree = tree_from_spec(spec)
