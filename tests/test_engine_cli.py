@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from treeattn.engine.bench import _schedule  # noqa: E402
 from treeattn.engine.cli import add_bench_e2e_parser, add_demo_parser, add_run_parser  # noqa: E402
 
 
@@ -105,6 +106,25 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             assert r["busy_step_ms"] <= r["mean_step_ms"] + 1e-9
             assert r["tuning"] is None      # measured auto: on CUDA only
     assert png.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("total,windows,breakdown,warmup", [(400, 10, 2, 1), (5193, 20, 2, 1), (7, 5, 1, 2), (3, 4, 1, 1)])
+def test_bench_e2e_all_steps_schedule(total, windows, breakdown, warmup):
+    """``--steps all``: the windows tile the workload, so every step runs the model and all but
+    each window's warm-up and breakdown steps are timed; a timed run starts after a warm-up step."""
+    kinds = _schedule(total, None, windows, breakdown, warmup)
+    assert sorted(kinds) == list(range(total))
+    used = max(1, min(windows, total // (warmup + 1 + breakdown)))
+    assert sum(k == "timed" for k in kinds.values()) == total - used * (warmup + breakdown)
+    for step, kind in kinds.items():
+        if kind == "timed" and kinds.get(step - 1) != "timed":
+            assert kinds[step - 1] == "warm"
+
+
+def test_bench_e2e_steps_argument(capsys):
+    with pytest.raises(SystemExit):
+        cli(["bench", "e2e", "--random-weights", "tiny", "--steps", "0"])
+    assert "positive count or 'all'" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

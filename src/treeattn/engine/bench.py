@@ -3,7 +3,8 @@ strategies in the same run, on one model.
 
 Each workload is replayed in full, but only a few *windows* of consecutive steps run the model
 (the others only do the tree / KV bookkeeping: their KV slots are allocated but not written, which
-does not change the timing of later steps). Per window: ``warmup_steps`` warm-up steps (one by
+does not change the timing of later steps); with ``steps=None`` (``--steps all``) the windows tile
+the whole workload, so every step runs the model and all but a few are timed. Per window: ``warmup_steps`` warm-up steps (one by
 default; ``auto``'s measured tuning, :mod:`treeattn.engine.tuning`, needs a few dozen to settle
 on the strategy of the window's tree shape before it is timed), ``steps / windows`` timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
 between CUDA events recorded after each step), then a few *breakdown* steps, each run in isolation
@@ -57,8 +58,23 @@ def _spec(name: str, vocab: int, seed: int) -> WorkloadSpec:
     return WorkloadSpec(name, vocab_size=vocab, seed=seed)
 
 
-def _schedule(total: int, steps: int, windows: int, breakdown: int, warmup: int = 1) -> dict:
-    """step -> "warm" | "timed" | "breakdown" for the steps that run the model."""
+def _schedule(total: int, steps: int | None, windows: int, breakdown: int, warmup: int = 1) -> dict:
+    """step -> "warm" | "timed" | "breakdown" for the steps that run the model. ``steps`` None:
+    every step runs it, the workload cut into ``windows`` consecutive windows (each its warm-up,
+    timed and breakdown steps), so the timed steps are all but ``windows * (warmup + breakdown)``
+    of the workload."""
+    if steps is None:
+        windows = max(1, min(windows, total // (warmup + 1 + breakdown)))
+        per = total // windows - warmup - breakdown
+        kinds = {}
+        for w in range(windows):
+            s = w * (total // windows)
+            # the last window also takes the remainder of the division
+            timed = per + (total - windows * (total // windows) if w == windows - 1 else 0)
+            kinds.update({s + i: "warm" for i in range(warmup)})
+            kinds.update({s + warmup + i: "timed" for i in range(timed)})
+            kinds.update({s + warmup + timed + i: "breakdown" for i in range(breakdown)})
+        return kinds
     windows = max(1, min(windows, steps))
     per = math.ceil(steps / windows)
     block = warmup + per + breakdown
@@ -110,11 +126,12 @@ def _sleep_cycles(device: torch.device, ms: float) -> int:
     return int(cycles * ms / max(clock.elapsed(a, b), 1e-3))
 
 
-def bench_workload(model, name: str, strategy: str, *, steps: int = 50, windows: int = 5,
+def bench_workload(model, name: str, strategy: str, *, steps: int | None = 50, windows: int = 5,
                    breakdown_steps: int = 2, warmup_steps: int = 1, seed: int = 0, sleep_ms: float = 60.0,
                    **engine_kw) -> dict:
     """Benchmark one workload (a :data:`BENCH_WORKLOADS` name or a :data:`WORKLOADS` name) with one
-    strategy; see the module docstring. Returns a JSON-able dict of latencies (ms)."""
+    strategy; see the module docstring (``steps`` None: time every step, :func:`_schedule`).
+    Returns a JSON-able dict of latencies (ms)."""
     # free the previous run's engine (its KV pool and graph memory pools sit in reference
     # cycles), so that every run starts from the same device memory (``reserved_gib_at_start``)
     gc.collect()

@@ -89,7 +89,9 @@ def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(BENCH_WORKLOADS),
                    help=f"comma-separated, from {', '.join(BENCH_WORKLOADS)} (or any run workload)")
     p.add_argument("--strategies", default="auto,sequence", help="compared with the last one")
-    p.add_argument("--steps", type=int, default=50, help="timed decode steps per workload and strategy")
+    p.add_argument("--steps", type=_steps_arg, default=50,
+                   help="timed decode steps per workload and strategy, or 'all': every step of the "
+                        "workload, cut into --windows consecutive windows")
     p.add_argument("--windows", type=int, default=5, help="places in each workload the timed steps sit")
     p.add_argument("--breakdown-steps", type=int, default=2,
                    help="isolated steps per window for the breakdown")
@@ -99,6 +101,16 @@ def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="OUT", default=None)
     p.set_defaults(func=bench_command)
     return p
+
+
+def _steps_arg(text: str) -> int | None:
+    """``--steps`` of ``bench e2e``: a positive count, or ``all`` (None)."""
+    if text == "all":
+        return None
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--steps must be a positive count or 'all', got {text}")
+    return n
 
 
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
@@ -297,7 +309,8 @@ def bench_command(args) -> int:
     else:
         result.update(device="cpu", torch=torch.__version__)
     result.update(model=args.model or f"random:{args.random_weights}", dtype=str(model.dtype)[6:],
-                  steps=args.steps, windows=args.windows, warmup_steps=args.warmup_steps)
+                  steps="all" if args.steps is None else args.steps, windows=args.windows,
+                  warmup_steps=args.warmup_steps)
     table = Table("workload", *(f"{s} ms" for s in strategies), "speedup", "DeFT", "met", "gpu speedup",
                   "host overhead")
     for name, w in result["workloads"].items():
