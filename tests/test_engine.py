@@ -291,13 +291,14 @@ def test_cuda_graph_runner_logic(tiny, model, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("strategy", ["auto", "sequence", "flatten"])
-def test_cuda_engine_matches_transformers(tiny, strategy):
+@pytest.mark.parametrize("strategy,max_inflight", [("auto", None), ("auto", 2), ("sequence", None), ("flatten", 1)])
+def test_cuda_engine_matches_transformers(tiny, strategy, max_inflight):
     """The GPU path: Triton kernels, piecewise CUDA graphs (checked against eager), asynchronous
-    decode windows, speculative verification and beam search, all in fp32 against transformers."""
+    decode windows (with and without a bound on the queued steps), speculative verification and
+    beam search, all in fp32 against transformers."""
     hf, path = tiny
     m = TreeModel.from_pretrained(path, device="cuda", dtype=torch.float32)
-    eng = TreeEngine(m, strategy=strategy, page_size=16, kv_tokens=8192)
+    eng = TreeEngine(m, strategy=strategy, page_size=16, kv_tokens=8192, max_inflight=max_inflight)
     assert eng.graphs is not None
     eng.prepare_graphs([4, 8])
     ctl = SamplingController([list(range(10, 47)), [7, 8, 9]], n=2, sampler=Sampler(seed=3), max_new_tokens=24,
@@ -317,6 +318,11 @@ def test_cuda_engine_matches_transformers(tiny, strategy):
     assert ours["sequences"] == ref.tolist()
     eng.reset()
     assert eng.pool.num_free_pages == eng.pool.num_pages
+
+
+def test_max_inflight_must_be_positive(model):
+    with pytest.raises(ValueError, match="max_inflight"):
+        TreeEngine(model, page_size=4, kv_tokens=256, max_inflight=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

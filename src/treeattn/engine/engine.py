@@ -10,6 +10,7 @@ in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU r
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -63,12 +64,16 @@ class TreeEngine(SpeculativeSteps):
     keep_reserved : bool
         Keep a node's unused decode-window slots when its window ends early (a new request joins
         a served batch) and use them for its next tokens, instead of leaving them unused.
+    max_inflight : int or None
+        On a GPU, the host enqueues a step's forward pass only once the step ``max_inflight``
+        steps before it has finished, so at most that many forward passes are queued at once;
+        None: no bound (the host runs as far ahead as CUDA's queues let it).
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool = False, pdl: bool | None = None):
+                 tune: bool = False, pdl: bool | None = None, max_inflight: int | None = None):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -98,6 +103,10 @@ class TreeEngine(SpeculativeSteps):
         self.window = max(1, int(window))
         self.synchronize = synchronize
         self.keep_reserved = keep_reserved
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1 or None, got {max_inflight}")
+        self.max_inflight = max_inflight
+        self._inflight: collections.deque = collections.deque()   # end events of queued forwards
         self.compute = True
         #: profiling hook ``hook(event, layer)``, event in forward_begin / attn_begin / attn_end /
         #: forward_end (layer -1 for the forward events); called where the work is enqueued
@@ -271,11 +280,17 @@ class TreeEngine(SpeculativeSteps):
         t1 = time.perf_counter()
         n = len(pos)
         if self.compute:
+            bounded = self.max_inflight is not None and self.device.type == "cuda"
+            while bounded and len(self._inflight) >= self.max_inflight:
+                self._inflight.popleft().synchronize()
             self._fire("forward_begin")
             self._probe = self.planner.probe(plan, self.model.config.num_layers)
             logits = self._run_model(tokens, pos, slots, plan)
             self._probe = None
             self._fire("forward_end")
+            if bounded:
+                self._inflight.append(torch.cuda.Event())
+                self._inflight[-1].record()
             if self.synchronize and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         else:
@@ -399,6 +414,7 @@ class TreeEngine(SpeculativeSteps):
         """Prune every sequence, drop stored results and free every KV page the engine holds."""
         self._close_window()
         self._verify = None
+        self._inflight.clear()
         self.tree.clear()
         self.tree.results.clear()
         self.kv.release_private()
