@@ -67,13 +67,17 @@ class TreeEngine(SpeculativeSteps):
     max_inflight : int or None
         On a GPU, the host enqueues a step's forward pass only once the step ``max_inflight``
         steps before it has finished, so at most that many forward passes are queued at once;
-        None: no bound (the host runs as far ahead as CUDA's queues let it).
+        None: no bound (the host runs as far ahead as CUDA's queues let it). Default 2: the host
+        still plans and enqueues a step while the GPU runs the one before, and back-to-back steps
+        run at their isolated GPU time. Unbounded, the host (2-3 ms a ToT step) ran many steps
+        ahead of the GPU (5.6 ms), and the GPU took 5-12% longer a step than in isolation
+        (H200, ``benchmarks/probe_inflight.py``, benchmarks/NOTES.md session 24).
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool = False, pdl: bool | None = None, max_inflight: int | None = None):
+                 tune: bool = False, pdl: bool | None = None, max_inflight: int | None = 2):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
