@@ -38,9 +38,9 @@ def main() -> None:
         base = rows[-1]["mean_step_ms"]
         print(f"{name}: speedup over sequence {base / rows[-3]['mean_step_ms']:.3f} (model) "
               f"{base / rows[-2]['mean_step_ms']:.3f} (tuned)", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**provenance(), "windows": args.windows, "rows": rows}, f, indent=1)
+        if args.out:  # after every workload, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({**provenance(), "windows": args.windows, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
