@@ -289,9 +289,17 @@ def plot_e2e(result: dict, path) -> None:
     ax.legend(fontsize=6, ncol=4)
     for i, n in enumerate(names):
         a = fig.add_subplot(grid[1 + i // cols, i % cols])
-        for s in strategies:
-            r = result["workloads"][n]["strategies"][s]
-            a.plot(r["iterations"], r["step_ms"], ".", markersize=3, label=s)
+        runs = [result["workloads"][n]["strategies"][s] for s in strategies]
+        for s, r in zip(strategies, runs):
+            a.plot(r["iterations"], r["step_ms"], ".", markersize=3 if len(r["step_ms"]) < 500 else 1, label=s)
+        lat = np.concatenate([r["step_ms"] for r in runs]) if runs else np.zeros(0)
+        if lat.size:
+            # a few one-off stalls (allocator growth, JIT) would flatten the curves: clip them
+            lo, hi = np.percentile(lat, [0, 99.5])
+            a.set_ylim(lo * 0.97, hi * 1.05)
+            n_out = int((lat > hi * 1.05).sum())
+            if n_out:
+                a.text(0.99, 0.01, f"{n_out} above", transform=a.transAxes, ha="right", va="bottom", fontsize=6)
         a.set_title(n, fontsize=8)
         a.set_xlabel("iteration", fontsize=7)
         a.set_ylabel("ms", fontsize=7)
