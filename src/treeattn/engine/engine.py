@@ -6,7 +6,8 @@ to the paged KV pool, then every layer attends over the decoding tree with treea
 step, or per *decode window* of several steps). :meth:`TreeEngine.verify` is one speculative
 verification step (:mod:`treeattn.engine.speculative`): a draft token tree below a leaf, queried
 as tree-structured queries. Nothing
-in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU runs step ``t``.
+in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU runs step ``t``; it
+waits only before running further ahead than ``max_inflight`` steps.
 """
 from __future__ import annotations
 
