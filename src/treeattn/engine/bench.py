@@ -1,10 +1,12 @@
 """End-to-end decode benchmark (DeFT Table 5 and Fig. 4): every workload with several treeattn
 strategies in the same run, on one model.
 
-Each workload is replayed in full, but only a few *windows* of consecutive steps run the model
-(the others only do the tree / KV bookkeeping: their KV slots are allocated but not written, which
-does not change the timing of later steps); with ``steps=None`` (``--steps all``) the windows tile
-the whole workload, so every step runs the model and all but a few are timed. Per window: ``warmup_steps`` warm-up steps (one by
+Each workload is replayed in full. By default (``steps=None``, ``--steps all``) every step runs
+the model and the workload is cut into consecutive *windows*; with a step count, only a few windows
+of consecutive steps spread over the workload run it (the others only do the tree / KV
+bookkeeping: their KV slots are allocated but not written, which does not change the timing of
+later steps), which samples the workload: ToT's steps decode varying numbers of queries, and 3
+windows of 10 steps misjudged its mean (benchmarks/NOTES.md, session 24). Per window: ``warmup_steps`` warm-up steps (one by
 default; ``auto``'s measured tuning, :mod:`treeattn.engine.tuning`, needs a few dozen to settle
 on the strategy of the window's tree shape before it is timed), ``steps / windows`` timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
 between CUDA events recorded after each step), then a few *breakdown* steps, each run in isolation
@@ -126,11 +128,12 @@ def _sleep_cycles(device: torch.device, ms: float) -> int:
     return int(cycles * ms / max(clock.elapsed(a, b), 1e-3))
 
 
-def bench_workload(model, name: str, strategy: str, *, steps: int | None = 50, windows: int = 5,
+def bench_workload(model, name: str, strategy: str, *, steps: int | None = None, windows: int = 10,
                    breakdown_steps: int = 2, warmup_steps: int = 1, seed: int = 0, sleep_ms: float = 60.0,
                    **engine_kw) -> dict:
     """Benchmark one workload (a :data:`BENCH_WORKLOADS` name or a :data:`WORKLOADS` name) with one
-    strategy; see the module docstring (``steps`` None: time every step, :func:`_schedule`).
+    strategy; see the module docstring (``steps`` None, the default: time every step, cut into
+    ``windows`` windows, :func:`_schedule`).
     Returns a JSON-able dict of latencies (ms)."""
     # free the previous run's engine (its KV pool and graph memory pools sit in reference
     # cycles), so that every run starts from the same device memory (``reserved_gib_at_start``)

@@ -89,10 +89,11 @@ def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(BENCH_WORKLOADS),
                    help=f"comma-separated, from {', '.join(BENCH_WORKLOADS)} (or any run workload)")
     p.add_argument("--strategies", default="auto,sequence", help="compared with the last one")
-    p.add_argument("--steps", type=_steps_arg, default=50,
-                   help="timed decode steps per workload and strategy, or 'all': every step of the "
-                        "workload, cut into --windows consecutive windows")
-    p.add_argument("--windows", type=int, default=5, help="places in each workload the timed steps sit")
+    p.add_argument("--steps", type=_steps_arg, default=None,
+                   help="timed decode steps per workload and strategy, or 'all' (default): every step "
+                        "of the workload, cut into --windows consecutive windows")
+    p.add_argument("--windows", type=int, default=10,
+                   help="places in each workload the timed steps sit (with --steps all: the windows that tile it)")
     p.add_argument("--breakdown-steps", type=int, default=2,
                    help="isolated steps per window for the breakdown")
     p.add_argument("--warmup-steps", type=int, default=1,
