@@ -1,0 +1,161 @@
+"""Where does speculative verification's attention go? Medusa token trees as the engine plans them.
+
+`bench e2e` reads 29-61 us of attention a layer on speculative-32..256 (whole workloads,
+e6d3118) where the engine's cost model rates its plans at 17-45 us. Two parts:
+
+* ``kernels``: Medusa trees of 32-256 drafts over contexts of 300-2500 tokens (the context one
+  run of slots, the drafts in scratch slots after it, as the engine lays them out), 32/8 heads,
+  head_dim 128. Every strategy's plan, ``auto``'s (the engine's cost model: launches one after
+  another with PDL) and ``auto``'s plan made ``--patch`` tokens earlier and patched by the lazy
+  update (what the engine runs between decisions), each timed under CUDA-graph replay with PDL
+  (``do_bench``, median, L2 flushed) and rated by the cost model.
+* ``e2e``: `bench e2e`'s measurement of the speculative workloads with ``auto`` at the engine's
+  ``auto_refresh`` (a decision and a lazily patched plan reused for up to that many steps) and
+  at 1 (a fresh ``auto`` plan every step).
+
+Usage::
+
+    python benchmarks/probe_spec.py [--parts kernels,e2e] [--sizes 32,64,128,256]
+                                    [--contexts 300,800,1500,2500] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import numpy as np
+import torch
+import triton
+
+from treeattn import CostModel, DecodingTree, HeadConfig, TreeAttention
+from treeattn.engine.planning import StepPlanner
+from treeattn.bench.timing import capture, copy_bandwidth, provenance, roofline_us
+from treeattn.plan import STRATEGIES, make_plan
+from treeattn.plan.update import update_plan
+from treeattn.workloads import tree_from_medusa
+
+HQ, HKV, D = 32, 8, 128
+
+
+def spec_tree(size: int, ctx: int, scratch: int) -> DecodingTree:
+    """A Medusa tree of ``size`` drafts over a ``ctx``-token context in slots ``0..ctx-1``, the
+    drafts in slots from ``scratch`` on (the engine's scratch slots keep their place as the context
+    grows)."""
+    base = tree_from_medusa(size, context_len=ctx)
+    kv = base.kv_indices.copy()
+    kv[ctx:] = scratch + kv[ctx:] - ctx
+    return DecodingTree.from_parents(base.parents, base.lengths, kv_indices=kv, query_nodes=base.query_nodes,
+                                     query_prefix=base.query_prefix)
+
+
+def plan_estimate(plan, tree: DecodingTree, cost: CostModel, heads: HeadConfig) -> float:
+    """The cost model's seconds for a built plan (its work units as launched)."""
+    h = plan.host
+    length = (h.work_kv_end - h.work_kv_start).astype(np.int64)
+    mask_from = np.maximum(np.asarray(h.work_mask_start, dtype=np.int64), h.work_kv_start)
+    launches = []
+    for ln in plan.launches:
+        sl = slice(ln.work_start, ln.work_end)
+        tiles = -(-length[sl] // ln.block_n)
+        masked_tiles = -(-(h.work_kv_end[sl] - mask_from[sl]) // ln.block_n)
+        launches.append((ln.block_m, ln.block_n, tiles.size * HKV, int(tiles.sum()) * HKV, int(tiles.max()),
+                         bool(ln.masked), int(masked_tiles.sum()) * HKV if ln.masked else 0))
+    merge_max = int(np.diff(plan.merge_indptr.numpy()).max()) if plan.merge_indptr.numel() > 1 else 0
+    return cost.total(int(tree.node_extent.sum()), int(plan.num_rows), merge_max, tree.num_queries,
+                      plan.has_mask, True, launches, heads)["total"]
+
+
+def kernels(args, res: dict) -> None:
+    bw = copy_bandwidth()
+    res["copy_bandwidth_TBps"] = bw / 1e12
+    timer = TreeAttention(device="cuda", streams=0, pdl=True)
+    cost = timer.cost  # the engine's: launches one after another, with PDL
+    heads = HeadConfig(HQ, HKV, D, torch.float16)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    scratch = max(contexts) + 64
+    mover = StepPlanner(heads, strategy="auto", device="cuda")  # (its pinned host-to-device plan copy)
+    k = torch.randn(scratch + 512, 1, HKV, D, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    for size in (int(s) for s in args.sizes.split(",")):
+        for ctx in contexts:
+            tree = spec_tree(size, ctx, scratch)
+            q = torch.randn(tree.num_queries, HQ, D, device="cuda", dtype=torch.float16)
+            plans = {s: make_plan(tree, heads, strategy=s, cost=cost) for s in STRATEGIES}
+            early = make_plan(spec_tree(size, ctx - args.patch, scratch), heads, cost=cost)
+            patched = update_plan(early, tree)
+            if patched is not None:
+                plans["patched"] = patched
+            floor_tree = DecodingTree.from_parents([-1], [ctx])
+            plans["floor_1q"] = make_plan(floor_tree, heads, cost=cost)
+            ref = None
+            row = {"size": size, "context": ctx, "queries": tree.num_queries,
+                   "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, HQ, HKV, D, bw), "plans": {}}
+            for name, plan in plans.items():
+                qq = q[:1] if name == "floor_1q" else q
+                ws = torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda")
+                w = TreeAttention(ws, streams=0, pdl=True)
+                dplan = mover._to_device(plan)
+                out = torch.empty_like(qq)
+                graph = capture(w, dplan, qq, k, v, out)
+                us = triton.testing.do_bench(graph.replay, return_mode="median", warmup=10, rep=50) * 1e3
+                torch.cuda.synchronize()
+                if name != "floor_1q":
+                    if ref is None:
+                        ref = out.float().clone()
+                    diff = (out.float() - ref).abs().max().item()
+                    if not math.isfinite(diff) or diff > 5e-3:
+                        raise SystemExit(f"medusa{size}@{ctx} {name}: max diff {diff}")
+                longest = int((plan.host.work_kv_end - plan.host.work_kv_start).max())
+                row["plans"][name] = {"strategy": plan.strategy, "us": us, "launches": len(plan.launches),
+                                      "longest_unit": longest,
+                                      "estimate_us": plan_estimate(plan, floor_tree if name == "floor_1q" else tree,
+                                                                   cost, heads) * 1e6}
+            best = min((p["us"], n) for n, p in row["plans"].items() if n in STRATEGIES[1:])
+            a = row["plans"]
+            print(f"medusa{size}@{ctx}: auto {a['auto']['strategy']} {a['auto']['us']:.1f} us "
+                  f"(est {a['auto']['estimate_us']:.1f}), patched {a.get('patched', {}).get('us', float('nan')):.1f}, "
+                  f"best {best[1]} {best[0]:.1f}, floor {a['floor_1q']['us']:.1f}; "
+                  + " ".join(f"{n} {p['us']:.1f}/{p['estimate_us']:.1f}" for n, p in a.items()), flush=True)
+            res["kernels"].append(row)
+
+
+def e2e(args, res: dict) -> None:
+    from treeattn.engine.bench import bench_workload
+    from treeattn.engine.model import TreeModel
+    model = TreeModel.random("llama3-8b", device=torch.device("cuda"), dtype=torch.bfloat16, seed=0)
+    for size in args.sizes.split(","):
+        for rep in range(args.repeats):
+            for refresh in (int(r) for r in args.refresh.split(",")):
+                r = bench_workload(model, f"speculative-{size}", "auto", auto_refresh=refresh)
+                keep = {k: r[k] for k in ("mean_step_ms", "gpu_step_ms", "breakdown_ms", "host_ms",
+                                          "host_overhead", "strategies_used")}
+                res["e2e"].append({"workload": f"speculative-{size}", "auto_refresh": refresh, "repeat": rep, **keep})
+                print(f"speculative-{size} auto_refresh={refresh}: step {r['mean_step_ms']:.3f} ms, gpu "
+                      f"{r['gpu_step_ms']:.3f}, attention {r['breakdown_ms']['attention']:.3f} ms, plan "
+                      f"{r['host_ms']['plan']:.3f} ms, host {r['host_overhead']:.1%}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="kernels,e2e")
+    ap.add_argument("--sizes", default="32,64,128,256")
+    ap.add_argument("--contexts", default="300,800,1500,2500")
+    ap.add_argument("--patch", type=int, default=48, help="tokens the patched plan's tree lacks")
+    ap.add_argument("--refresh", default="32,1", help="e2e: auto_refresh values")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    res = {**provenance(), "heads": f"{HQ}/{HKV}", "head_dim": D, "kernels": [], "e2e": []}
+    parts = args.parts.split(",")
+    if "kernels" in parts:
+        kernels(args, res)
+    if "e2e" in parts:
+        e2e(args, res)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
