@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -120,6 +121,67 @@ def kernels(args, res: dict) -> None:
             res["kernels"].append(row)
 
 
+def _split_plans(tree: DecodingTree, heads: HeadConfig, cost: CostModel, max_len: int | None) -> dict:
+    """``paths``' 128-row tiles of ``tree`` with the leads split at ``max_len`` tokens (None: whole),
+    built as planned, and with the tall unmasked launches turned to contig tall tiles and to TMA
+    wide tiles (split tail) where every unit of theirs is one run of slots."""
+    from treeattn.plan import build_plan
+    from treeattn.plan.addressing import TILE_TALL_CONTIG, TILE_TALL_TMA, unit_runs
+    from treeattn.plan.paths import cut_at_leads, deferred_path_tiles
+    from treeattn.plan.split import split_long_items
+    items = deferred_path_tiles(tree, heads, 128)
+    if max_len is not None:
+        cut, splittable = cut_at_leads(items)
+        items = split_long_items(cut, np.where(splittable, max_len, np.iinfo(np.int64).max))
+    plan = build_plan(tree, items, heads, strategy="paths", cost=cost)
+    h = plan.host
+    runs = unit_runs(h.kv_slots, h.work_kv_start, h.work_kv_end)
+    out = {"planned": plan}
+    for name, (block_n, warps, stages), extra in (("contig", TILE_TALL_CONTIG, {}),
+                                                 ("tma", TILE_TALL_TMA, {"tma": True, "split_tail": True})):
+        launches = tuple(dataclasses.replace(ln, contig=True, block_n=block_n, num_warps=warps, num_stages=stages,
+                                             **extra)
+                         if ln.block_m >= 128 and not ln.masked and runs[ln.work_start: ln.work_end].all() else ln
+                         for ln in plan.launches)
+        if launches != plan.launches:
+            out[name] = dataclasses.replace(plan, launches=launches)
+    return out
+
+
+def splits(args, res: dict) -> None:
+    timer = TreeAttention(device="cuda", streams=0, pdl=True)
+    cost = timer.cost
+    heads = HeadConfig(HQ, HKV, D, torch.float16)
+    mover = StepPlanner(heads, strategy="auto", device="cuda")
+    scratch = 4096
+    k = torch.randn(scratch + 512, 1, HKV, D, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    for case in args.split_cases.split(","):
+        size, ctx = (int(x) for x in case.split("@"))
+        tree = spec_tree(size, ctx, scratch)
+        q = torch.randn(tree.num_queries, HQ, D, device="cuda", dtype=torch.float16)
+        ref = None
+        row = {"size": size, "context": ctx, "variants": {}}
+        for chunks in (int(c) for c in args.chunks.split(",")):
+            max_len = None if chunks == 1 else -(-ctx // chunks)
+            for cfg, plan in _split_plans(tree, heads, cost, max_len).items():
+                ws = torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda")
+                w = TreeAttention(ws, streams=0, pdl=True)
+                out = torch.empty_like(q)
+                graph = capture(w, mover._to_device(plan), q, k, v, out)
+                us = triton.testing.do_bench(graph.replay, return_mode="median", warmup=10, rep=50) * 1e3
+                torch.cuda.synchronize()
+                if ref is None:
+                    ref = out.float().clone()
+                diff = (out.float() - ref).abs().max().item()
+                if not math.isfinite(diff) or diff > 5e-3:
+                    raise SystemExit(f"medusa{size}@{ctx} chunks {chunks} {cfg}: max diff {diff}")
+                row["variants"][f"{chunks}/{cfg}"] = {"us": us, "estimate_us": plan_estimate(plan, tree, cost, heads) * 1e6,
+                                                      "launches": [dataclasses.asdict(ln) for ln in plan.launches]}
+        print(f"medusa{size}@{ctx}: " + " ".join(f"{n} {r['us']:.1f}" for n, r in row["variants"].items()), flush=True)
+        res["splits"].append(row)
+
+
 def e2e(args, res: dict) -> None:
     from treeattn.engine.bench import bench_workload
     from treeattn.engine.model import TreeModel
@@ -144,12 +206,16 @@ def main() -> None:
     ap.add_argument("--patch", type=int, default=48, help="tokens the patched plan's tree lacks")
     ap.add_argument("--refresh", default="32,1", help="e2e: auto_refresh values")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--split-cases", default="256@2500,256@1500,256@800,128@2500,128@1500,64@2500,32@2500")
+    ap.add_argument("--chunks", default="1,2,3,4,6,10", help="splits: KV chunks of each tile's lead")
     ap.add_argument("--out")
     args = ap.parse_args()
-    res = {**provenance(), "heads": f"{HQ}/{HKV}", "head_dim": D, "kernels": [], "e2e": []}
+    res = {**provenance(), "heads": f"{HQ}/{HKV}", "head_dim": D, "kernels": [], "splits": [], "e2e": []}
     parts = args.parts.split(",")
     if "kernels" in parts:
         kernels(args, res)
+    if "splits" in parts:
+        splits(args, res)
     if "e2e" in parts:
         e2e(args, res)
     if args.out:
