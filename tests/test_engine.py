@@ -193,6 +193,10 @@ def test_speculative_verification_matches_transformers(tiny, model, strategy):
     # the context only grew at its tail and the drafts kept their scratch slots: after the first
     # verify the planner patches its last plan (PAT's lazy update) instead of planning again
     assert [s[3] for s in seen] == [False, True, True, True]
+    # the drafts' scratch slots and the padding slot sit at the top of the pool: the verified
+    # sequence's slots stay one run, which the kernels read with affine addresses
+    slots = eng.kv.own_slots(ctl.ctx)
+    assert (np.diff(slots) == 1).all() and slots[0] == 0
     for ctx, drafts, logits, _ in seen:
         assert (logits[0] - hf_last_logits(hf, ctx)).abs().max() <= TOL
         for i in range(len(parents)):

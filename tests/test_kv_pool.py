@@ -72,6 +72,27 @@ def test_layout_and_write_slots_round_trip(gen):
     pool.check()
 
 
+def test_high_appends_take_the_highest_free_pages(gen):
+    """Side branches appended with ``high`` take the top pages, so a branch growing beside them
+    keeps consecutive slots; the pool stays consistent and the pages come back when pruned."""
+    pool = make_pool(num_pages=16, page_size=4)
+    seq, side = pool.new_branch(), pool.new_branch()
+    fill(pool, seq, 6, gen)
+    assert pool.append(side, 9, high=True).tolist() == list(range(52, 61))   # pages 13, 14, 15
+    fill(pool, seq, 9, gen)
+    assert pool.slots(seq).tolist() == list(range(15))
+    assert pool.append(side, 4, high=True).tolist() == [61, 62, 63, 48]      # fills page 15, then 12
+    pool.check()
+    before = pool.num_free_pages
+    with pytest.raises(KVPoolOutOfMemory):
+        pool.append(side, 4 * before + 4, high=True)  # (3 slots left in its last page)
+    assert pool.num_free_pages == before
+    pool.prune(side)
+    pool.check()
+    assert pool.num_free_pages == 16 - 4
+    assert pool.append(pool.new_branch(), 1).tolist() == [16]                # lowest first again
+
+
 def test_fork_shares_pages(gen):
     pool = make_pool()
     root = pool.new_branch()

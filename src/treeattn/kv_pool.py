@@ -164,12 +164,18 @@ class KVPool:
         parent.children.add(child)
         return child
 
-    def append(self, branch: int, n_tokens: int) -> np.ndarray:
+    def append(self, branch: int, n_tokens: int, *, high: bool = False) -> np.ndarray:
         """Reserve ``n_tokens`` slots at the end of ``branch``.
 
         A partially filled last page that is shared with another branch is first copied into a
         fresh page (all layers, K and V). Raises :class:`KVPoolOutOfMemory`, leaving the pool
         unchanged, when the free pages do not suffice.
+
+        New pages are the lowest free ones, so a branch that grows alone takes consecutive pages
+        and its tokens stay one run of slots (which the kernels read with affine addresses).
+        ``high`` takes the highest free pages instead: for long-lived side branches (speculative
+        drafts' scratch slots, a padding slot) that would otherwise sit between a growing
+        sequence's pages.
 
         Returns
         -------
@@ -189,7 +195,13 @@ class KVPool:
                 f"KV pool out of memory: appending {n} token(s) to branch {branch} needs {needed} "
                 f"free page(s){' (one for copy-on-write)' if cow else ''} but only "
                 f"{len(self._free)} of {self.num_pages} are free")
-        new = [heapq.heappop(self._free) for _ in range(needed)]
+        if high:  # (rare: O(free pages))
+            new = sorted(heapq.nlargest(needed, self._free))
+            taken = set(new)
+            self._free = [page for page in self._free if page not in taken]
+            heapq.heapify(self._free)
+        else:
+            new = [heapq.heappop(self._free) for _ in range(needed)]
         self._refcount[new] = 1
         if cow:
             old, dst = b.pages[-1], new.pop(0)

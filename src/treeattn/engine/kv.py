@@ -131,12 +131,13 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ scratch
     def scratch(self, n: int) -> np.ndarray:
-        """``n`` slots of a private scratch branch (speculative draft tokens), reused every call."""
+        """``n`` slots of a private scratch branch (speculative draft tokens), reused every call.
+        Its pages are the pool's highest, so the verified sequence's own pages stay consecutive."""
         if self._scratch is None:
             self._scratch = self.pool.new_branch()
         have = self.pool.length(self._scratch)
         if have < n:
-            self.pool.append(self._scratch, n - have)
+            self.pool.append(self._scratch, n - have, high=True)
         return self.pool.slots(self._scratch)[:n]
 
     @property
@@ -144,7 +145,7 @@ class KVCacheManager:
         """A slot no token uses, written by padded rows of CUDA-graph batches."""
         if self._pad is None:
             self._pad = self.pool.new_branch()
-            self.pool.append(self._pad, 1)
+            self.pool.append(self._pad, 1, high=True)
         return int(self.pool.slots(self._pad)[0])
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
