@@ -14,11 +14,12 @@ def make_pool(num_pages=16, page_size=4, num_layers=2, dtype=torch.float16):
     return KVPool(num_pages, page_size, HKV, D, num_layers=num_layers, dtype=dtype)
 
 
-def fill(pool, branch, n, gen):
-    """Append n tokens to branch and write fresh random K/V in every layer.
+def fill(pool, branch, n, gen, high=False):
+    """Append n tokens to branch (from the highest free pages with ``high``) and write fresh random
+    K/V in every layer.
 
     Returns the written data, float tensor [n, layers, 2, HKV, D] (in the pool dtype)."""
-    slots = pool.append(branch, n)
+    slots = pool.append(branch, n, high=high)
     data = torch.randn(n, pool.num_layers, 2, HKV, D, generator=gen).to(pool.dtype)
     data[data == 0] = 1.0  # never zeros: zeros would hide reads of unwritten slots
     for layer in range(pool.num_layers):
@@ -266,7 +267,7 @@ def test_randomized_operations_keep_pool_consistent(page_size):
             n = int(rng.integers(0, max(12, 2 * page_size + 3)))
             before, table = snapshot(pool), pool.block_table(b)
             try:
-                shadow[b] = torch.cat([shadow[b], fill(pool, b, n, gen)])
+                shadow[b] = torch.cat([shadow[b], fill(pool, b, n, gen, high=bool(rng.integers(2)))])
                 cows += int(not np.array_equal(pool.block_table(b)[:table.size], table))
             except KVPoolOutOfMemory:
                 ooms += 1
