@@ -1,7 +1,8 @@
 """Where does speculative verification's attention go? Medusa token trees as the engine plans them.
 
 `bench e2e` reads 29-61 us of attention a layer on speculative-32..256 (whole workloads,
-e6d3118) where the engine's cost model rates its plans at 17-45 us. Two parts:
+e6d3118) where the engine's cost model rates its plans at 19-41 us (averaged over each
+workload's steps). Three parts:
 
 * ``kernels``: Medusa trees of 32-256 drafts over contexts of 300-2500 tokens (the context one
   run of slots, the drafts in scratch slots after it, as the engine lays them out), 32/8 heads,
@@ -9,13 +10,15 @@ e6d3118) where the engine's cost model rates its plans at 17-45 us. Two parts:
   another with PDL) and ``auto``'s plan made ``--patch`` tokens earlier and patched by the lazy
   update (what the engine runs between decisions), each timed under CUDA-graph replay with PDL
   (``do_bench``, median, L2 flushed) and rated by the cost model.
+* ``splits``: ``paths``' 128-row tiles with each tile's context lead cut into ``--chunks`` KV
+  chunks, as planned and with TMA wide tiles where a launch's units are all runs of slots.
 * ``e2e``: `bench e2e`'s measurement of the speculative workloads with ``auto`` at the engine's
   ``auto_refresh`` (a decision and a lazily patched plan reused for up to that many steps) and
   at 1 (a fresh ``auto`` plan every step).
 
 Usage::
 
-    python benchmarks/probe_spec.py [--parts kernels,e2e] [--sizes 32,64,128,256]
+    python benchmarks/probe_spec.py [--parts kernels,splits,e2e] [--sizes 32,64,128,256]
                                     [--contexts 300,800,1500,2500] [--out FILE]
 """
 from __future__ import annotations
@@ -27,11 +30,10 @@ import math
 
 import numpy as np
 import torch
-import triton
 
 from treeattn import CostModel, DecodingTree, HeadConfig, TreeAttention
+from treeattn.bench.timing import copy_bandwidth, graph_us, provenance, roofline_us
 from treeattn.engine.planning import StepPlanner
-from treeattn.bench.timing import capture, copy_bandwidth, provenance, roofline_us
 from treeattn.plan import STRATEGIES, make_plan
 from treeattn.plan.update import update_plan
 from treeattn.workloads import tree_from_medusa
@@ -67,6 +69,27 @@ def plan_estimate(plan, tree: DecodingTree, cost: CostModel, heads: HeadConfig) 
                       plan.has_mask, True, launches, heads)["total"]
 
 
+def _time_plan(plan, mover: StepPlanner, q, k, v) -> tuple[float, torch.Tensor]:
+    """``(us, out)``: ``plan`` (a host plan, moved to the GPU as the engine moves it) timed under
+    CUDA-graph replay with PDL, and its output."""
+    ws = torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda")
+    w = TreeAttention(ws, streams=0, pdl=True)
+    dplan, out = mover._to_device(plan), torch.empty_like(q)
+    us = graph_us(lambda: w.run(q, k, v, dplan, out=out), rep=50)
+    torch.cuda.synchronize()
+    return us, out
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor | None, what: str) -> torch.Tensor:
+    """The reference output (``out`` when none yet); exits when ``out`` is not finite or is off it."""
+    if ref is None:
+        return out.float().clone()
+    diff = (out.float() - ref).abs().max().item()
+    if not math.isfinite(diff) or diff > 5e-3:
+        raise SystemExit(f"{what}: max diff {diff}")
+    return ref
+
+
 def kernels(args, res: dict) -> None:
     bw = copy_bandwidth()
     res["copy_bandwidth_TBps"] = bw / 1e12
@@ -93,20 +116,9 @@ def kernels(args, res: dict) -> None:
             row = {"size": size, "context": ctx, "queries": tree.num_queries,
                    "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, HQ, HKV, D, bw), "plans": {}}
             for name, plan in plans.items():
-                qq = q[:1] if name == "floor_1q" else q
-                ws = torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda")
-                w = TreeAttention(ws, streams=0, pdl=True)
-                dplan = mover._to_device(plan)
-                out = torch.empty_like(qq)
-                graph = capture(w, dplan, qq, k, v, out)
-                us = triton.testing.do_bench(graph.replay, return_mode="median", warmup=10, rep=50) * 1e3
-                torch.cuda.synchronize()
+                us, out = _time_plan(plan, mover, q[:1] if name == "floor_1q" else q, k, v)
                 if name != "floor_1q":
-                    if ref is None:
-                        ref = out.float().clone()
-                    diff = (out.float() - ref).abs().max().item()
-                    if not math.isfinite(diff) or diff > 5e-3:
-                        raise SystemExit(f"medusa{size}@{ctx} {name}: max diff {diff}")
+                    ref = _check(out, ref, f"medusa{size}@{ctx} {name}")
                 longest = int((plan.host.work_kv_end - plan.host.work_kv_start).max())
                 row["plans"][name] = {"strategy": plan.strategy, "us": us, "launches": len(plan.launches),
                                       "longest_unit": longest,
@@ -165,17 +177,8 @@ def splits(args, res: dict) -> None:
         for chunks in (int(c) for c in args.chunks.split(",")):
             max_len = None if chunks == 1 else -(-ctx // chunks)
             for cfg, plan in _split_plans(tree, heads, cost, max_len).items():
-                ws = torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda")
-                w = TreeAttention(ws, streams=0, pdl=True)
-                out = torch.empty_like(q)
-                graph = capture(w, mover._to_device(plan), q, k, v, out)
-                us = triton.testing.do_bench(graph.replay, return_mode="median", warmup=10, rep=50) * 1e3
-                torch.cuda.synchronize()
-                if ref is None:
-                    ref = out.float().clone()
-                diff = (out.float() - ref).abs().max().item()
-                if not math.isfinite(diff) or diff > 5e-3:
-                    raise SystemExit(f"medusa{size}@{ctx} chunks {chunks} {cfg}: max diff {diff}")
+                us, out = _time_plan(plan, mover, q, k, v)
+                ref = _check(out, ref, f"medusa{size}@{ctx} chunks {chunks} {cfg}")
                 row["variants"][f"{chunks}/{cfg}"] = {"us": us, "estimate_us": plan_estimate(plan, tree, cost, heads) * 1e6,
                                                       "launches": [dataclasses.asdict(ln) for ln in plan.launches]}
         print(f"medusa{size}@{ctx}: " + " ".join(f"{n} {r['us']:.1f}" for n, r in row["variants"].items()), flush=True)
