@@ -34,6 +34,10 @@ SHORT_TILE_MIN_GROUP = 4
 #: a node with fewer rows than the query tile stays an item of its own beyond this many tokens
 #: (in the variants that keep such nodes apart)
 OWN_ITEM_TOKENS = 64
+#: besides the fill split, the split variants cut the leads into this many chunks of the longest
+#: lead: on Medusa trees over one context the fill split's chunks were too short (t=256 at 800-1500
+#: tokens: 3 chunks 1.17-1.19x faster, results/h200_probe_spec_splits_e2e.json)
+LEAD_CHUNKS = (2, 3, 4, 6)
 
 
 def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None) -> WorkItems:
@@ -256,9 +260,16 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
             max_len, why = fill_length(tiles, heads, cost, tile_rows=block_m)
             if max_len is not None:
                 cut, splittable = cut_at_leads(tiles)
-                split = split_long_items(cut, np.where(splittable, max_len, np.iinfo(np.int64).max))
+                never = np.iinfo(np.int64).max
+                split = split_long_items(cut, np.where(splittable, max_len, never))
                 if split is not cut:
                     out.append((split, note + why.replace("long contexts", "leads")))
+                longest = int(cut.item_len[splittable].max(initial=0))
+                for k in LEAD_CHUNKS:
+                    chunk = -(-longest // k)
+                    if k != -(-longest // max_len) and chunk >= OWN_ITEM_TOKENS:
+                        out.append((split_long_items(cut, np.where(splittable, chunk, never)),
+                                    note + f"; leads cut into chunks of {chunk} tokens ({k} of the longest)"))
     return out
 
 
