@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import expected_coverage, paged_case, planned_coverage, random_tree, rel_l2
-from treeattn import TreeAttention
+from treeattn import DecodingTree, TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
 from treeattn.plan.auto import estimate_items
 from treeattn.plan.paths import (
@@ -20,6 +20,7 @@ from treeattn.plan.paths import (
     deferred_path_tiles,
     path_tiles,
     paths_variants,
+    trunk_tokens,
 )
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
@@ -131,3 +132,29 @@ def test_variants_match_float64_reference(rng, device, hq, hkv):
         assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4, note
         notes.add(("apart" in note, "split" in note))
     assert {(False, False), (True, False), (False, True)} <= notes
+
+
+def test_trunk_tokens():
+    assert trunk_tokens(tree_from_spec("1,4,16_300,9,70")) == 300
+    assert trunk_tokens(tree_from_medusa(32, context_len=45)) == 45
+    assert trunk_tokens(tree_from_spec("2,8,16_24,12,5")) == 0  # a forest
+    # queries inside the root see part of it only
+    assert trunk_tokens(DecodingTree.from_parents([-1, 0], [50, 7], query_nodes=[0, 1], query_prefix=[20, 7])) == 20
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
+def test_trunk_leads_cut_into_chunks_match_float64_reference(rng, device, hq, hkv):
+    """A token tree over one context: its tiles' leads (the context) are also cut into a few
+    chunks of the longest lead, and those plans run and match a float64 reference; where the leads
+    go beyond the trunk (tiles under different branches) no such variant is made."""
+    d = 16
+    q, paged, kc, vc, o_ref = paged_case(tree_from_medusa(32, context_len=300), hq, hkv, d, rng)
+    heads = HeadConfig(hq, hkv, d, torch.float32)
+    chunked = [(items, note) for items, note in paths_variants(paged, heads, CostModel()) if "leads cut" in note]
+    assert chunked
+    for items, note in chunked:
+        plan = build_plan(paged, items, heads, strategy="paths", device=device)
+        w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device=device), device=device, backend="triton")
+        assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4, note
+    branches = tree_from_spec("1,2,64_300,100,30")
+    assert not any("leads cut" in note for _, note in paths_variants(branches, heads, CostModel()))

@@ -34,9 +34,11 @@ SHORT_TILE_MIN_GROUP = 4
 #: a node with fewer rows than the query tile stays an item of its own beyond this many tokens
 #: (in the variants that keep such nodes apart)
 OWN_ITEM_TOKENS = 64
-#: besides the fill split, the split variants cut the leads into this many chunks of the longest
-#: lead: on Medusa trees over one context the fill split's chunks were too short (t=256 at 800-1500
-#: tokens: 3 chunks 1.17-1.19x faster, results/h200_probe_spec_splits_e2e.json)
+#: where the leads are the tree's trunk (a token tree over one context: every tile reads the same
+#: context), the split variants also cut them into this many chunks of the longest lead. On Medusa
+#: trees the fill split's chunks were too short (t=256 at 800-2500 tokens: 1.18-1.22x faster with
+#: these, h100_probe_lead.json); on decode trees whose tiles read different leads the cost model
+#: picked them where they ran 2-13% slower (same file)
 LEAD_CHUNKS = (2, 3, 4, 6)
 
 
@@ -240,6 +242,25 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
     return DeferredItems(length, nq, make, new_q_item, new_q_query, masked=new_masked, mask_lead=new_lead), ~new_masked
 
 
+def trunk_tokens(tree: DecodingTree) -> int:
+    """Tokens that every query sees (those of the nodes above all the queries; 0 in a forest)."""
+    above_all = np.flatnonzero(tree.subtree_queries == tree.num_queries)
+    if tree.num_queries == 0 or above_all.size == 0:
+        return 0
+    deepest = above_all[np.argmax(tree.topology.depth[above_all])]
+    eff_node, eff_prefix = tree.effective_queries
+    at = eff_node == deepest
+    seen = int(eff_prefix[at].min()) if at.any() else int(tree.lengths[deepest])
+    return int(tree.topology.path_tokens[deepest]) + seen
+
+
+def _trunk_leads(tree: DecodingTree, leads: np.ndarray) -> bool:
+    """Whether two tiles or more read the tree's trunk as their leads (each at most a KV block
+    longer: the tiles of a token tree may share its first draft tokens)."""
+    trunk = trunk_tokens(tree)
+    return trunk > 0 and (leads >= trunk).sum() > 1 and int(leads.max()) <= trunk + 16
+
+
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
     """``[(items, note), ...]``: path tiles of each query-tile height (16 rows only from
     :data:`SHORT_TILE_MIN_GROUP`), with every node in the tiles and, where some are, with long
@@ -264,8 +285,9 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
                 split = split_long_items(cut, np.where(splittable, max_len, never))
                 if split is not cut:
                     out.append((split, note + why.replace("long contexts", "leads")))
-                longest = int(cut.item_len[splittable].max(initial=0))
-                for k in LEAD_CHUNKS:
+                leads = cut.item_len[splittable]
+                longest = int(leads.max(initial=0))
+                for k in LEAD_CHUNKS if _trunk_leads(tree, leads) else ():
                     chunk = -(-longest // k)
                     if k != -(-longest // max_len) and chunk >= OWN_ITEM_TOKENS:
                         out.append((split_long_items(cut, np.where(splittable, chunk, never)),
