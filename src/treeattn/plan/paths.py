@@ -37,8 +37,8 @@ OWN_ITEM_TOKENS = 64
 #: where the leads are the tree's trunk (a token tree over one context: every tile reads the same
 #: context), the split variants also cut them into this many chunks of the longest lead. On Medusa
 #: trees the fill split's chunks were too short (t=256 at 800-2500 tokens: 1.18-1.22x faster with
-#: these, h100_probe_lead.json); on decode trees whose tiles read different leads the cost model
-#: picked them where they ran 2-13% slower (same file)
+#: these, results/h100_probe_spec_{b21eca5,011377d}.json); on decode trees whose tiles read
+#: different leads the cost model picked them where they ran 2-13% slower (h100_probe_lead_*.json)
 LEAD_CHUNKS = (2, 3, 4, 6)
 
 
