@@ -244,6 +244,13 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
 
 def trunk_tokens(tree: DecodingTree) -> int:
     """Tokens that every query sees (those of the nodes above all the queries; 0 in a forest)."""
+    got = tree.derived.get("trunk_tokens")
+    if got is None:
+        got = tree.derived["trunk_tokens"] = _trunk_tokens(tree)
+    return got
+
+
+def _trunk_tokens(tree: DecodingTree) -> int:
     above_all = np.flatnonzero(tree.subtree_queries == tree.num_queries)
     if tree.num_queries == 0 or above_all.size == 0:
         return 0
@@ -258,7 +265,7 @@ def _trunk_leads(tree: DecodingTree, leads: np.ndarray) -> bool:
     """Whether two tiles or more read the tree's trunk as their leads (each at most a KV block
     longer: the tiles of a token tree may share its first draft tokens)."""
     trunk = trunk_tokens(tree)
-    return trunk > 0 and (leads >= trunk).sum() > 1 and int(leads.max()) <= trunk + 16
+    return trunk > 0 and int(leads.max()) <= trunk + 16 and int((leads >= trunk).sum()) > 1
 
 
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
