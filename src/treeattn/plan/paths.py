@@ -265,7 +265,7 @@ def _trunk_leads(tree: DecodingTree, leads: np.ndarray) -> bool:
     """Whether two tiles or more read the tree's trunk as their leads (each at most a KV block
     longer: the tiles of a token tree may share its first draft tokens)."""
     trunk = trunk_tokens(tree)
-    return trunk > 0 and int(leads.max()) <= trunk + 16 and int((leads >= trunk).sum()) > 1
+    return leads.size > 1 and trunk > 0 and int(leads.max()) <= trunk + 16 and int((leads >= trunk).sum()) > 1
 
 
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
