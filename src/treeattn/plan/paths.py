@@ -38,8 +38,9 @@ OWN_ITEM_TOKENS = 64
 #: context), the split variants also cut them into this many chunks of the longest lead. On Medusa
 #: trees the fill split's chunks were too short (t=256 at 800-2500 tokens: 1.18-1.22x faster with
 #: these, results/h100_probe_spec_{b21eca5,011377d}.json); on decode trees whose tiles read
-#: different leads the cost model picked them where they ran 2-13% slower (h100_probe_lead_*.json)
-LEAD_CHUNKS = (2, 3, 4, 6)
+#: different leads the cost model picked them where they ran 2-13% slower (h100_probe_lead_*.json).
+#: (Measured with 2 chunks as well, which the model picked for no Medusa tree at 32/8 or 32/32.)
+LEAD_CHUNKS = (3, 4, 6)
 
 
 def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None) -> WorkItems:
