@@ -2,7 +2,7 @@
 
 `bench e2e` reads 29-61 us of attention a layer on speculative-32..256 (whole workloads,
 e6d3118) where the engine's cost model rates its plans at 19-41 us (averaged over each
-workload's steps). Three parts:
+workload's steps). Four parts:
 
 * ``kernels``: Medusa trees of 32-256 drafts over contexts of 300-2500 tokens (the context one
   run of slots, the drafts in scratch slots after it, as the engine lays them out), 32/8 heads,
@@ -12,14 +12,17 @@ workload's steps). Three parts:
   (``do_bench``, median, L2 flushed) and rated by the cost model.
 * ``splits``: ``paths``' 128-row tiles with each tile's context lead cut into ``--chunks`` KV
   chunks, as planned and with TMA wide tiles where a launch's units are all runs of slots.
+* ``launches``: the ``--strategies`` plans (default ``flatten,paths``: the model rates ``flatten``
+  1.22-1.62x below its time on every Medusa tree) with their attention launches and their merge
+  timed apart, against the cost model's attention and merge.
 * ``e2e``: `bench e2e`'s measurement of the speculative workloads with ``auto`` at the engine's
   ``auto_refresh`` (a decision and a lazily patched plan reused for up to that many steps) and
   at 1 (a fresh ``auto`` plan every step).
 
 Usage::
 
-    python benchmarks/probe_spec.py [--parts kernels,splits,e2e] [--sizes 32,64,128,256]
-                                    [--contexts 300,800,1500,2500] [--out FILE]
+    python benchmarks/probe_spec.py [--parts kernels,splits,launches,e2e] [--sizes 32,64,128,256]
+                                    [--contexts 300,800,1500,2500] [--strategies flatten,paths] [--out FILE]
 """
 from __future__ import annotations
 
@@ -54,6 +57,12 @@ def spec_tree(size: int, ctx: int, scratch: int) -> DecodingTree:
 
 def plan_estimate(plan, tree: DecodingTree, cost: CostModel, heads: HeadConfig) -> float:
     """The cost model's seconds for a built plan (its work units as launched)."""
+    return plan_breakdown(plan, tree, cost, heads)["total"]
+
+
+def plan_breakdown(plan, tree: DecodingTree, cost: CostModel, heads: HeadConfig) -> dict:
+    """The cost model's :meth:`~treeattn.plan.cost.CostModel.total` breakdown (seconds) of a built
+    plan, its work units as launched."""
     h = plan.host
     length = (h.work_kv_end - h.work_kv_start).astype(np.int64)
     mask_from = np.maximum(np.asarray(h.work_mask_start, dtype=np.int64), h.work_kv_start)
@@ -66,7 +75,7 @@ def plan_estimate(plan, tree: DecodingTree, cost: CostModel, heads: HeadConfig) 
                          bool(ln.masked), int(masked_tiles.sum()) * HKV if ln.masked else 0))
     merge_max = int(np.diff(plan.merge_indptr.numpy()).max()) if plan.merge_indptr.numel() > 1 else 0
     return cost.total(int(tree.node_extent.sum()), int(plan.num_rows), merge_max, tree.num_queries,
-                      plan.has_mask, True, launches, heads)["total"]
+                      plan.has_mask, True, launches, heads)
 
 
 def _time_plan(plan, mover: StepPlanner, q, k, v) -> tuple[float, torch.Tensor]:
@@ -185,6 +194,46 @@ def splits(args, res: dict) -> None:
         res["splits"].append(row)
 
 
+def launches(args, res: dict) -> None:
+    """Each ``--strategies`` plan's attention launches and its merge timed apart (CUDA-graph replay,
+    no PDL between them), beside the whole plan as the engine runs it and the cost model's
+    attention and merge."""
+    from treeattn.ops import merge_partials, partial_attention
+    cost = TreeAttention(device="cuda", streams=0, pdl=True).cost
+    heads = HeadConfig(HQ, HKV, D, torch.float16)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    scratch = max(contexts) + 64
+    mover = StepPlanner(heads, strategy="auto", device="cuda")
+    k = torch.randn(scratch + 512, 1, HKV, D, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    for size in (int(s) for s in args.sizes.split(",")):
+        for ctx in contexts:
+            tree = spec_tree(size, ctx, scratch)
+            q = torch.randn(tree.num_queries, HQ, D, device="cuda", dtype=torch.float16)
+            row, ref = {"size": size, "context": ctx, "plans": {}}, None
+            for name in args.strategies.split(","):
+                plan = make_plan(tree, heads, strategy=name, cost=cost)
+                us, out = _time_plan(plan, mover, q, k, v)
+                ref = _check(out, ref, f"medusa{size}@{ctx} {name}")
+                w = TreeAttention(torch.empty(max(plan.workspace_bytes() // 4, 1), device="cuda"), streams=0)
+                dplan = mover._to_device(plan)
+                o_part, l_part = w.partial_buffers(dplan)
+                attn_us = graph_us(lambda: partial_attention(q, k, v, dplan, o_part, l_part, sm_scale=D ** -0.5,
+                                                             out=out), rep=50)
+                merge_us = graph_us(lambda: merge_partials(o_part, l_part, dplan.merge_q_indices, dplan.merge_indptr,
+                                                           dplan.merge_indices, out, None), rep=50) \
+                    if plan.merge_q_indices.numel() else 0.0
+                est = plan_breakdown(plan, tree, cost, heads)
+                row["plans"][name] = {"strategy": plan.strategy, "us": us, "attention_us": attn_us, "merge_us": merge_us,
+                                      "launches": len(plan.launches), "merged": int(plan.merge_q_indices.numel()),
+                                      "estimate_us": {p: est[p] * 1e6 for p in ("attention", "merge", "total")}}
+            print(f"medusa{size}@{ctx}: " + " ".join(
+                f"{n} {r['us']:.1f} (attention {r['attention_us']:.1f} / est {r['estimate_us']['attention']:.1f}, "
+                f"merge {r['merge_us']:.1f} / est {r['estimate_us']['merge']:.1f})" for n, r in row["plans"].items()),
+                flush=True)
+            res["launches"].append(row)
+
+
 def e2e(args, res: dict) -> None:
     from treeattn.engine.bench import bench_workload
     from treeattn.engine.model import TreeModel
@@ -211,14 +260,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--split-cases", default="256@2500,256@1500,256@800,128@2500,128@1500,64@2500,32@2500")
     ap.add_argument("--chunks", default="1,2,3,4,6,10", help="splits: KV chunks of each tile's lead")
+    ap.add_argument("--strategies", default="flatten,paths", help="launches: the plans to time apart")
     ap.add_argument("--out")
     args = ap.parse_args()
-    res = {**provenance(), "heads": f"{HQ}/{HKV}", "head_dim": D, "kernels": [], "splits": [], "e2e": []}
+    res = {**provenance(), "heads": f"{HQ}/{HKV}", "head_dim": D, "kernels": [], "splits": [], "launches": [],
+           "e2e": []}
     parts = args.parts.split(",")
     if "kernels" in parts:
         kernels(args, res)
     if "splits" in parts:
         splits(args, res)
+    if "launches" in parts:
+        launches(args, res)
     if "e2e" in parts:
         e2e(args, res)
     if args.out:
