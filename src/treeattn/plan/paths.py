@@ -11,7 +11,8 @@ the tree mask, and it has one row, written directly (no merge), instead of one p
 A node whose rows fill only part of a tile wastes the rest of the tile's rows on its tokens
 (masked). Long such nodes (a private leaf of 256 tokens) stay items of their own, as ``node``'s,
 in the variants that keep them apart. When the tiles' programs cannot fill the GPU, variants cut
-each tile at its mask lead and split the leads into KV chunks (one row per chunk).
+each tile at its mask lead and split the leads into KV chunks (one row per chunk); where the
+leads are the tree's trunk (a token tree over one context), also into a few longer chunks.
 """
 from __future__ import annotations
 
