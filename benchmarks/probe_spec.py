@@ -99,17 +99,24 @@ def _check(out: torch.Tensor, ref: torch.Tensor | None, what: str) -> torch.Tens
     return ref
 
 
-def kernels(args, res: dict) -> None:
-    bw = copy_bandwidth()
-    res["copy_bandwidth_TBps"] = bw / 1e12
-    timer = TreeAttention(device="cuda", streams=0, pdl=True)
-    cost = timer.cost  # the engine's: launches one after another, with PDL
+def _medusa_setup(args) -> tuple:
+    """``(cost, heads, contexts, scratch, mover, k, v)`` of the Medusa-tree parts: the engine's cost
+    model (launches one after another, with PDL), 32/8 fp16 heads, ``--contexts``, the first
+    scratch slot (after the longest context), the engine's plan mover (its pinned host-to-device
+    copy) and random K/V caches holding every slot."""
+    cost = TreeAttention(device="cuda", streams=0, pdl=True).cost
     heads = HeadConfig(HQ, HKV, D, torch.float16)
     contexts = [int(c) for c in args.contexts.split(",")]
     scratch = max(contexts) + 64
-    mover = StepPlanner(heads, strategy="auto", device="cuda")  # (its pinned host-to-device plan copy)
+    mover = StepPlanner(heads, strategy="auto", device="cuda")
     k = torch.randn(scratch + 512, 1, HKV, D, device="cuda", dtype=torch.float16)
-    v = torch.randn_like(k)
+    return cost, heads, contexts, scratch, mover, k, torch.randn_like(k)
+
+
+def kernels(args, res: dict) -> None:
+    bw = copy_bandwidth()
+    res["copy_bandwidth_TBps"] = bw / 1e12
+    cost, heads, contexts, scratch, mover, k, v = _medusa_setup(args)
     for size in (int(s) for s in args.sizes.split(",")):
         for ctx in contexts:
             tree = spec_tree(size, ctx, scratch)
@@ -199,13 +206,7 @@ def launches(args, res: dict) -> None:
     no PDL between them), beside the whole plan as the engine runs it and the cost model's
     attention and merge."""
     from treeattn.ops import merge_partials, partial_attention
-    cost = TreeAttention(device="cuda", streams=0, pdl=True).cost
-    heads = HeadConfig(HQ, HKV, D, torch.float16)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    scratch = max(contexts) + 64
-    mover = StepPlanner(heads, strategy="auto", device="cuda")
-    k = torch.randn(scratch + 512, 1, HKV, D, device="cuda", dtype=torch.float16)
-    v = torch.randn_like(k)
+    cost, heads, contexts, scratch, mover, k, v = _medusa_setup(args)
     for size in (int(s) for s in args.sizes.split(",")):
         for ctx in contexts:
             tree = spec_tree(size, ctx, scratch)

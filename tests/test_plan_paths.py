@@ -156,5 +156,6 @@ def test_trunk_leads_cut_into_chunks_match_float64_reference(rng, device, hq, hk
         plan = build_plan(paged, items, heads, strategy="paths", device=device)
         w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device=device), device=device, backend="triton")
         assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4, note
-    branches = tree_from_spec("1,2,64_300,100,30")
-    assert not any("leads cut" in note for _, note in paths_variants(branches, heads, CostModel()))
+    notes = [note for _, note in paths_variants(tree_from_spec("1,2,64_300,100,30"), heads, CostModel())]
+    assert any("leads split" in note for note in notes)  # split leads, but not the trunk's
+    assert not any("leads cut" in note for note in notes)

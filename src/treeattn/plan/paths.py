@@ -267,7 +267,7 @@ def _trunk_leads(tree: DecodingTree, leads: np.ndarray) -> bool:
     """Whether two tiles or more read the tree's trunk as their leads (each at most a KV block
     longer: the tiles of a token tree may share its first draft tokens)."""
     trunk = trunk_tokens(tree)
-    return leads.size > 1 and trunk > 0 and int(leads.max()) <= trunk + 16 and int((leads >= trunk).sum()) > 1
+    return trunk > 0 and int((leads >= trunk).sum()) > 1 and int(leads.max()) <= trunk + 16
 
 
 def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> list:
@@ -295,8 +295,8 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
                 if split is not cut:
                     out.append((split, note + why.replace("long contexts", "leads")))
                 leads = cut.item_len[splittable]
-                longest = int(leads.max(initial=0))
                 for k in LEAD_CHUNKS if _trunk_leads(tree, leads) else ():
+                    longest = int(leads.max())
                     chunk = -(-longest // k)
                     if k != -(-longest // max_len) and chunk >= OWN_ITEM_TOKENS:
                         out.append((split_long_items(cut, np.where(splittable, chunk, never)),
