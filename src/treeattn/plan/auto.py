@@ -6,7 +6,7 @@ import itertools
 
 import numpy as np
 
-from treeattn.plan.cost import CostModel, launches_by_group
+from treeattn.plan.cost import CostModel, launch_slots
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
@@ -45,30 +45,30 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     rows.cumsum(out=sums[0, 1:])
     (rows * length).cumsum(out=sums[1, 1:])
     pairs_at, tokens_at = sums[:, bounds].tolist()
-    flags = [it.masked for it in unique]
-    flagged = None
-    if any(f is not None for f in flags):
+    flagged = lead = None
+    if any(it.masked is not None for it in unique):
         flagged = np.zeros(length.size, dtype=bool)
-        for a, b, f in zip(bounds, bounds[1:], flags):
-            if f is not None:
-                flagged[a:b] = f
+        if any(it.mask_lead is not None for it in unique):
+            lead = np.full(length.size, -1, dtype=np.int64)
+        for a, b, it in zip(bounds, bounds[1:], unique):
+            if it.masked is not None:
+                flagged[a:b] = it.masked
+            if lead is not None and it.mask_lead is not None:
+                lead[a:b] = it.mask_lead
         flagged &= used
-    lead = None
-    if flagged is not None and any(it.mask_lead is not None for it in unique):
-        lead = np.concatenate([np.full(it.num_items, -1, dtype=np.int64) if it.mask_lead is None else it.mask_lead
-                               for it in unique])
     set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
-    estimates = {}
-    launches = launches_by_group(length, nq, set_of, len(unique), flagged, heads, lead)
-    for i, (it, launches) in enumerate(zip(unique, launches)):
+    slots = launch_slots(length, nq, set_of, len(unique), flagged, heads, lead)
+    sets = []
+    for i, it in enumerate(unique):
         a, b = bounds[i], bounds[i + 1]
         pairs, tokens = pairs_at[i + 1] - pairs_at[i], tokens_at[i + 1] - tokens_at[i]
         # every visible token of a query is in exactly one of its items, so the items hold more
         # (item, query) tokens than the queries see iff some query sees only part of an item: the
         # plan needs the tree mask
-        masked = bool(flagged[a:b].any()) if flags[i] is not None else tokens > visible_tokens
-        estimates[id(it)] = cost.total(kv_tokens, pairs, it.used_merge_rows(used[a:b]), tree.num_queries, masked,
-                                       flags[i] is not None, launches, heads)
+        per_item = it.masked is not None
+        masked = bool(flagged[a:b].any()) if per_item else tokens > visible_tokens
+        sets.append((kv_tokens, pairs, it.used_merge_rows(used[a:b]), tree.num_queries, masked, per_item))
+    estimates = dict(zip(map(id, unique), cost.totals(sets, slots, heads)))
     return [estimates[id(it)] for it in item_sets]
 
 

@@ -11,6 +11,7 @@ are identical on every host (tests on CPU plan exactly what the GPU runs).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ from treeattn.plan.plan import (
     _block_m_choices,
 )
 
-__all__ = ["CostModel", "launch_features", "launches_by_group"]
+__all__ = ["CostModel", "LaunchSlots", "launch_features", "launch_slots", "launches_by_group"]
 
 
 def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig) -> np.ndarray:
@@ -82,8 +83,54 @@ def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int
     scalar) is each item's set, ``num_groups`` for items to leave out; ``flagged`` (bool [items]
     or None) the items whose launch applies the mask, ``lead`` (int [items] or None) the tokens
     of each item before its mask starts (the kernel runs the whole KV tiles before it unmasked;
-    -1 or None: not known, and then all tiles of the item's launch count as masked). Returns a list of launches per set, each with a seventh entry: the
-    masked KV tiles of its flagged items' programs."""
+    -1 or None: not known, and then all tiles of the item's launch count as masked). Returns a
+    list of launches per set, each with a seventh entry: the masked KV tiles of its flagged
+    items' programs."""
+    return launch_slots(length, nq, group, num_groups, flagged, heads, lead).launches()
+
+
+@dataclass(frozen=True)
+class LaunchSlots:
+    """The launches of several item sets as arrays: one slot per (set, launch shape), a launch
+    where it has programs (:func:`launch_slots`). All int64 but ``flags``; per shape ``[S]`` or
+    per slot ``[G, S]``.
+
+    Attributes
+    ----------
+    block_m, block_n : [S]
+        Query and KV tile of each shape.
+    programs, work, longest, masked_work : [G, S]
+        Programs, KV tiles of all programs, KV tiles of the longest program and masked KV tiles
+        (counted as :func:`launches_by_group`'s seventh entry).
+    flags : bool [G, S]
+        The launch applies the mask.
+    live : bool [G, S]
+        The slot is a launch.
+    """
+
+    block_m: np.ndarray
+    block_n: np.ndarray
+    programs: np.ndarray
+    work: np.ndarray
+    longest: np.ndarray
+    flags: np.ndarray
+    masked_work: np.ndarray
+    live: np.ndarray
+
+    def launches(self) -> list:
+        """Each set's launches as :func:`launches_by_group` lists them (plain numbers)."""
+        cols = [np.broadcast_to(a, self.live.shape)[self.live].tolist()
+                for a in (self.block_m, self.block_n, self.programs, self.work, self.longest, self.flags,
+                          self.masked_work)]
+        rows = list(zip(*cols))
+        bounds = [0, *itertools.accumulate(self.live.sum(axis=1).tolist())]
+        return [rows[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, flagged: np.ndarray | None,
+                 heads: HeadConfig, lead: np.ndarray | None = None) -> LaunchSlots:
+    """:func:`launches_by_group`'s launches as :class:`LaunchSlots` (``num_groups`` sets; few numpy
+    calls for all of them)."""
     block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(heads.group, heads.head_dim)
     m_idx = np.searchsorted(block_m, nq * heads.group if heads.group > 1 else nq)
     np.minimum(m_idx, block_m.size - 1, out=m_idx)
@@ -109,12 +156,13 @@ def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int
     np.add.at(work, shape, tiles * kv_tiles)
     longest = np.zeros_like(programs)
     np.maximum.at(longest, shape, kv_tiles)
-    flags, masked_work = [False] * size, [0] * size
+    flags = np.zeros(size, dtype=bool)
+    masked_work = np.zeros_like(programs)
     if flagged is not None:
         # (a boolean ufunc.at is ~10x slower than counting the flagged items' shapes)
-        flags = (np.bincount(shape[flagged], minlength=size) > 0).tolist()
+        flags = np.bincount(shape[flagged], minlength=size) > 0
         if lead is None:
-            masked_work = work * np.array(flags)
+            masked_work = work * flags
         else:  # items of a known lead count their tiles from it; a launch with others, all of its tiles
             known = flagged & (lead >= 0)
             block_n = np.where(is_long, long_n, short_n)[known] if two_kv_tiles else short_n
@@ -122,15 +170,13 @@ def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int
             masked_work = np.bincount(shape[known], counted, minlength=size).astype(np.int64)
             whole = np.bincount(shape[flagged & (lead < 0)], minlength=size) > 0
             masked_work[whole] = work[whole]
-        masked_work = masked_work.tolist()
     hkv = heads.num_kv_heads
+    shapes = (num_groups, n_shapes)
     size -= n_shapes
-    launches = [(int(block_m[k % n_shapes // 2]), long_n if k % 2 else short_n, p * hkv, w * hkv, m, flags[k],
-                 masked_work[k] * hkv)
-                if p > 0 else None
-                for k, (p, w, m) in enumerate(zip(programs[:size].tolist(), work[:size].tolist(),
-                                                  longest[:size].tolist()))]
-    return [[ln for ln in launches[i:i + n_shapes] if ln] for i in range(0, size, n_shapes)]
+    return LaunchSlots(block_m.repeat(2), np.tile([short_n, long_n], block_m.size),
+                       (programs[:size] * hkv).reshape(shapes), (work[:size] * hkv).reshape(shapes),
+                       longest[:size].reshape(shapes), flags[:size].reshape(shapes),
+                       (masked_work[:size] * hkv).reshape(shapes), programs[:size].reshape(shapes) > 0)
 
 
 @functools.lru_cache(maxsize=16)
@@ -231,10 +277,9 @@ class CostModel:
         """Concurrent programs of the balance split: ``num_sms * balance_programs_per_sm``."""
         return max(1, round(self.num_sms * self.balance_programs_per_sm))
 
-    def program_s(self, block_m: int, block_n: int, kv_tiles: int, heads: HeadConfig, *,
-                  tall_first: bool = False) -> float:
+    def program_s(self, block_m, block_n, kv_tiles, heads: HeadConfig, *, tall_first: bool = False):
         """Seconds of one unmasked program over ``kv_tiles`` KV tiles on its own (at the rates of
-        the tall-first rule with ``tall_first``)."""
+        the tall-first rule with ``tall_first``); numbers or int arrays (broadcast, float64)."""
         d = heads.head_dim
         bandwidth, flops = ((self.tall_first_bandwidth, self.tall_first_flops) if tall_first
                             else (self.program_bandwidth, self.program_flops))
@@ -307,34 +352,55 @@ class CostModel:
         """:meth:`breakdown` of items with ``kv_tokens`` unique tokens, ``rows`` (item, query) pairs
         and these launches (:func:`launches_by_group`): every launch is masked when ``masked``, or
         those flagged when ``per_item``."""
+        cols = [np.array(c) for c in zip(*launches)] if launches else [np.zeros(0, dtype=np.int64)] * 7
+        block_m, block_n, programs, work, longest, flags, masked_work = cols
+        slots = LaunchSlots(block_m, block_n, *(a.reshape(1, -1) for a in (programs, work, longest, flags.astype(bool),
+                                                                            masked_work)),
+                            np.ones((1, len(launches)), dtype=bool))
+        return self.totals([(kv_tokens, rows, merge_rows_max, num_queries, masked, per_item)], slots, heads)[0]
+
+    def totals(self, sets: list, slots: LaunchSlots, heads: HeadConfig) -> list:
+        """:meth:`total` of several item sets: ``sets`` holds each one's ``(kv_tokens, rows,
+        merge_rows_max, num_queries, masked, per_item)`` and ``slots`` their launches, a row per
+        set (:func:`launch_slots`). Each launch's SM time and longest program are found for all
+        sets at once (the same float operations as one at a time)."""
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
-        num_queries = rows if num_queries is None else int(num_queries)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
-        sm_times, longest_times, rule = [], [], []
-        for block_m, block_n, programs, work, longest, launch_masked, masked_work in launches:  # plain numbers
-            if not per_item:
-                launch_masked, masked_work = masked, work * masked
-            mask = 1.0 + self.mask_cost * launch_masked
-            flops = self.sm_flops if block_m >= 64 else self.sm_flops_small
-            tile_sm_s = block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / flops
-            work_s = (work + self.mask_cost * masked_work) * tile_sm_s
-            sm_times.append((programs * self.program_overhead_s + work_s) / self.num_sms)
-            longest_times.append(self.program_s(block_m, block_n, longest, heads) * mask)
-            rule.append(self.program_s(block_m, block_n, longest, heads, tall_first=True))
-        tall_first = self.tall_first(rule)
-        if tall_first:
-            # the longest programs start first and run beside the other launches' programs
-            attn = (sum(sm_times) ** p + max(longest_times) ** p) ** (1.0 / p)
-        else:
-            attn = sum((a ** p + b ** p) ** (1.0 / p) for a, b in zip(sm_times, longest_times))
-        attn += len(launches) * self.launch_overhead_s
-        # every query with a single row: the attention kernel writes the output, no merge launch
-        direct = merge_rows_max <= 1 and rows == num_queries
-        partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
-        attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
-        merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
-                                       (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
-                                       ) + self.launch_overhead_s
-        return {"attention": attn, "merge": merge, "launches": len(launches), "masked": masked, "tall_first": tall_first,
-                "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * (direct and bool(launches))}
+        block_m, block_n, work, longest = slots.block_m, slots.block_n, slots.work, slots.longest
+        # a set not rated per item: all its launches masked or none
+        per_item = np.array([s[5] for s in sets], dtype=bool)[:, None]
+        masked = np.array([s[4] for s in sets], dtype=bool)[:, None]
+        launch_masked = np.where(per_item, slots.flags, masked)
+        masked_work = np.where(per_item, slots.masked_work, work * masked)
+        mask = 1.0 + self.mask_cost * launch_masked
+        flops = np.where(block_m >= 64, self.sm_flops, self.sm_flops_small)
+        tile_sm_s = block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / flops
+        work_s = (work + self.mask_cost * masked_work) * tile_sm_s
+        live = slots.live
+        sm_all = ((slots.programs * self.program_overhead_s + work_s) / self.num_sms)[live].tolist()
+        longest_all = (self.program_s(block_m, block_n, longest, heads) * mask)[live].tolist()
+        rule_all = self.program_s(block_m, block_n, longest, heads, tall_first=True)[live].tolist()
+        bounds = [0, *itertools.accumulate(live.sum(axis=1).tolist())]
+        out = []
+        for (kv_tokens, rows, merge_rows_max, num_queries, set_masked, _), lo, hi in zip(sets, bounds, bounds[1:]):
+            num_queries = rows if num_queries is None else int(num_queries)
+            sm_times, longest_times = sm_all[lo:hi], longest_all[lo:hi]
+            tall_first = self.tall_first(rule_all[lo:hi])
+            if tall_first:
+                # the longest programs start first and run beside the other launches' programs
+                attn = (sum(sm_times) ** p + max(longest_times) ** p) ** (1.0 / p)
+            else:
+                attn = sum((a ** p + b ** p) ** (1.0 / p) for a, b in zip(sm_times, longest_times))
+            attn += (hi - lo) * self.launch_overhead_s
+            # every query with a single row: the attention kernel writes the output, no merge launch
+            direct = merge_rows_max <= 1 and rows == num_queries
+            partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
+            attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
+            merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
+                                           (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
+                                           ) + self.launch_overhead_s
+            out.append({"attention": attn, "merge": merge, "launches": hi - lo, "masked": set_masked,
+                        "tall_first": tall_first,
+                        "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * (direct and hi > lo)})
+        return out

@@ -149,8 +149,8 @@ def _own_items(tree: DecodingTree, own: np.ndarray) -> WorkItems:
 def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None
                         ) -> WorkItems:
     """:func:`path_tiles`, its segments made when first read: when every query sees each node of
-    its path whole, the lengths, leads and queries the cost model reads come from each node's
-    range of queries (depth-first, a subtree's queries are consecutive) without listing the
+    its path whole, the lengths, leads and queries the cost model reads come from the tokens over
+    each query in depth-first order (a subtree's queries are consecutive) without listing the
     (tile, node) pairs."""
     eff_node, eff_prefix = tree.effective_queries
     if not np.array_equal(eff_prefix, tree.lengths[eff_node]):
@@ -158,22 +158,19 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
     nq = tree.num_queries
     per_tile = max(1, rows // heads.group)
     num_tiles = -(-nq // per_tile)
-    order, seen, lo, hi = _query_ranges(tree)
-    node = seen if own is None else seen[~own[seen]]
-    length, lo, hi = tree.lengths[node], lo[node], hi[node]
-    # a node is in tiles lo // per_tile ..= (hi - 1) // per_tile, and in the lead of those it covers
-    # whole: the common ancestors of a tile's queries come first in pre-order
-    first, last = lo // per_tile, (hi - 1) // per_tile
-    item_len = np.cumsum(np.bincount(first, length, num_tiles + 1) - np.bincount(last + 1, length, num_tiles + 1))
-    start, end = -(-lo // per_tile), np.where(hi == nq, num_tiles, hi // per_tile)
-    cover = end > start
-    lead = np.cumsum(np.bincount(start[cover], length[cover], num_tiles + 1)
-                     - np.bincount(end[cover], length[cover], num_tiles + 1))
-    item_len, lead = item_len[:-1].astype(np.int64), lead[:-1].astype(np.int64)
+    rank, cover, shared, started = _rank_tokens(tree, own)
+    # a tile reads the nodes over its first query and those that start (in depth-first order) at
+    # its later ones; its lead, the nodes over all its queries, is the fewest tokens two
+    # consecutive queries of it share (the shallowest of their lowest common ancestors)
+    first = np.arange(0, nq, per_tile)
+    last = np.append(first[1:], nq) - 1
+    item_len = cover[first] + started[last] - started[first]
+    common = shared.copy()
+    common[first] = cover[first]
+    lead = np.minimum.reduceat(common, first)
     q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
     q_counts[-1] = nq - (num_tiles - 1) * per_tile
-    q_item = np.empty(nq, dtype=np.int64)
-    q_item[order] = np.arange(nq) // per_tile
+    q_item = rank // per_tile
     q_query = np.arange(nq)
     masked = lead < item_len
     if own is not None and own.any():  # (as concat_items lays them out)
@@ -200,6 +197,29 @@ def _query_ranges(tree: DecodingTree) -> tuple:
         sorted_tin = q_tin[order]
         lo, hi = np.searchsorted(sorted_tin, topo.tin), np.searchsorted(sorted_tin, topo.tout)
         got = tree.derived["paths_query_ranges"] = (order, np.flatnonzero((hi > lo) & (tree.lengths > 0)), lo, hi)
+    return got
+
+
+def _rank_tokens(tree: DecodingTree, own: np.ndarray | None) -> tuple:
+    """``(rank, cover, shared, started)``: each query's rank in depth-first order
+    (:func:`_query_ranges`), and int64 [queries] by rank: the tokens of the nodes (not flagged in
+    ``own``) over the query, those it shares with the previous one, and those of the nodes that
+    start at it or before (made once per tree without ``own``)."""
+    got = None if own is not None else tree.derived.get("paths_rank_tokens")
+    if got is None:
+        nq = tree.num_queries
+        order, seen, lo, hi = _query_ranges(tree)
+        length, lo, hi = tree.lengths[seen], lo[seen], hi[seen]
+        if own is not None:
+            length = length * ~own[seen]
+        starts = np.bincount(lo, length, nq + 1)
+        cover = (starts - np.bincount(hi, length, nq + 1)).cumsum()[:-1].astype(np.int64)
+        starts = starts[:-1].astype(np.int64)
+        rank = np.empty(nq, dtype=np.int64)
+        rank[order] = np.arange(nq)
+        got = rank, cover, cover - starts, starts.cumsum()
+        if own is None:
+            tree.derived["paths_rank_tokens"] = got
     return got
 
 
