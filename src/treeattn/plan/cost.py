@@ -49,11 +49,20 @@ def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadC
 
 @functools.lru_cache(maxsize=64)
 def _tile_tables(group: int, head_dim: int) -> tuple:
-    """Query-tile heights a GQA group may use and the queries the tallest holds; the short and
-    long KV tile and whether they are different launch configs."""
-    block_m = np.array(_block_m_choices(group))
+    """``(block_m, block_n, q_shape, q_last, short_bits, long_bits)``: the query and KV tile of each
+    launch shape (a query-tile height by the short and the long KV tile config), the shape (short
+    KV tiles) of an item of ``min(queries, q_last + 1)`` queries (int64 [q_last + 2]), the queries
+    the tallest query tile holds, and log2 of the short and long KV tile (long None when both
+    are one launch config)."""
+    heights = np.array(_block_m_choices(group))
     long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
-    return block_m, max(int(block_m[-1]) // group, 1), TILE_SHORT[0], long_cfg[0], long_cfg != TILE_SHORT
+    q_last = max(int(heights[-1]) // group, 1)
+    # an item's query tile is the smallest height holding its rows (queries x GQA group); the
+    # tallest beyond it
+    m_idx = np.minimum(np.searchsorted(heights, np.arange(q_last + 2) * group), heights.size - 1)
+    short_n, long_n = TILE_SHORT[0], long_cfg[0]
+    return (heights.repeat(2), np.tile([short_n, long_n], heights.size), 2 * m_idx, q_last,
+            short_n.bit_length() - 1, long_n.bit_length() - 1 if long_cfg != TILE_SHORT else None)
 
 
 def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None) -> list:
@@ -131,22 +140,24 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
                  heads: HeadConfig, lead: np.ndarray | None = None) -> LaunchSlots:
     """:func:`launches_by_group`'s launches as :class:`LaunchSlots` (``num_groups`` sets; few numpy
     calls for all of them)."""
-    block_m, q_last, short_n, long_n, two_kv_tiles = _tile_tables(heads.group, heads.head_dim)
-    m_idx = np.searchsorted(block_m, nq * heads.group if heads.group > 1 else nq)
-    np.minimum(m_idx, block_m.size - 1, out=m_idx)
+    block_m, block_n, q_shape, q_last, short_bits, long_bits = _tile_tables(heads.group, heads.head_dim)
+    n_shapes = block_m.size
+    shape = q_shape[np.minimum(nq, q_last + 1)]
     # an item whose rows fit a smaller tile has one; the others split into tallest tiles, so
     # ceil(queries / queries of the tallest) is every item's tile count
-    tiles = -(-nq // q_last) if q_last > 1 else nq
+    if q_last & (q_last - 1) == 0:
+        tiles = (nq + (q_last - 1)) >> (q_last.bit_length() - 1)
+    else:
+        tiles = -(-nq // q_last)
     # one launch per (set, block_m, KV tile config), found without sorting; KV tiles are powers
     # of two
-    n_shapes = 2 * block_m.size
-    shape = m_idx * 2
-    if two_kv_tiles:
-        is_long = length > SHORT_ITEM_TOKENS
-        kv_tiles = ((length - 1) >> np.where(is_long, long_n.bit_length() - 1, short_n.bit_length() - 1)) + 1
-        shape += is_long
+    if long_bits is None:
+        kv_bits = short_bits
     else:
-        kv_tiles = ((length - 1) >> (short_n.bit_length() - 1)) + 1
+        is_long = length > SHORT_ITEM_TOKENS
+        kv_bits = np.where(is_long, long_bits, short_bits)
+        shape += is_long
+    kv_tiles = ((length - 1) >> kv_bits) + 1
     shape += group * n_shapes
     # integer sums (ufunc.at is cheaper than weighted bincount here)
     size = (num_groups + 1) * n_shapes
@@ -165,16 +176,14 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
             masked_work = work * flags
         else:  # items of a known lead count their tiles from it; a launch with others, all of its tiles
             known = flagged & (lead >= 0)
-            block_n = np.where(is_long, long_n, short_n)[known] if two_kv_tiles else short_n
-            counted = tiles[known] * (kv_tiles[known] - lead[known] // block_n)
-            masked_work = np.bincount(shape[known], counted, minlength=size).astype(np.int64)
+            counted = tiles * (kv_tiles - (lead >> kv_bits))
+            np.add.at(masked_work, shape[known], counted[known])
             whole = np.bincount(shape[flagged & (lead < 0)], minlength=size) > 0
             masked_work[whole] = work[whole]
     hkv = heads.num_kv_heads
     shapes = (num_groups, n_shapes)
     size -= n_shapes
-    return LaunchSlots(block_m.repeat(2), np.tile([short_n, long_n], block_m.size),
-                       (programs[:size] * hkv).reshape(shapes), (work[:size] * hkv).reshape(shapes),
+    return LaunchSlots(block_m, block_n, (programs[:size] * hkv).reshape(shapes), (work[:size] * hkv).reshape(shapes),
                        longest[:size].reshape(shapes), flags[:size].reshape(shapes),
                        (masked_work[:size] * hkv).reshape(shapes), programs[:size].reshape(shapes) > 0)
 
