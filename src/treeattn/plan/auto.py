@@ -58,6 +58,7 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
         flagged &= used
     set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
     slots = launch_slots(length, nq, set_of, len(unique), flagged, heads, lead)
+    flagged_sets = slots.flags.any(axis=1).tolist()  # (a set's launch applies the mask iff it has a flagged item)
     sets = []
     for i, it in enumerate(unique):
         a, b = bounds[i], bounds[i + 1]
@@ -66,7 +67,7 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
         # (item, query) tokens than the queries see iff some query sees only part of an item: the
         # plan needs the tree mask
         per_item = it.masked is not None
-        masked = bool(flagged[a:b].any()) if per_item else tokens > visible_tokens
+        masked = flagged_sets[i] if per_item else tokens > visible_tokens
         sets.append((kv_tokens, pairs, it.used_merge_rows(used[a:b]), tree.num_queries, masked, per_item))
     estimates = dict(zip(map(id, unique), cost.totals(sets, slots, heads)))
     return [estimates[id(it)] for it in item_sets]

@@ -200,7 +200,8 @@ class DeferredItems(WorkItems):
     from their lengths, query counts and merge rows alone, so ``auto``, which rates every
     strategy's items, makes the rest only for the strategy it chooses. ``q_item, q_query`` are
     the items' (item, query) pairs in any order, for the merge rows (subclasses without them
-    override :meth:`merge_rows_max` and :meth:`query_weights`); ``single_nodes``, when given, is
+    override :meth:`merge_rows_max` and :meth:`query_weights`; ``q_query`` None: query ``j``'s
+    only item is ``q_item[j]``); ``single_nodes``, when given, is
     :meth:`single_nodes` (leaf packing finds leaf items from it and the pairs)."""
 
     seg_indptr, seg_node, seg_lo, seg_hi = (_made_field(f) for f in ("seg_indptr", "seg_node", "seg_lo", "seg_hi"))
@@ -221,16 +222,22 @@ class DeferredItems(WorkItems):
         return super().single_nodes() if self._single_nodes is None else self._single_nodes
 
     def pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        return super().pairs() if self._pairs[0] is None else self._pairs
+        q_item, q_query = self._pairs
+        if q_item is None:
+            return super().pairs()
+        return q_item, np.arange(q_item.size) if q_query is None else q_query
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         q_item, q_query = self._pairs
+        if q_query is None:  # (one item per query)
+            return int(q_item.size > 0 and (used.all() or bool(used[q_item].any())))
         q = q_query if used.all() else q_query[used[q_item]]
         return int(np.bincount(q).max()) if q.size else 0
 
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         q_item, q_query = self._pairs
-        return np.bincount(q_query, per_item[q_item])
+        weights = per_item[q_item]
+        return weights.astype(np.float64) if q_query is None else np.bincount(q_query, weights)
 
     @functools.cached_property
     def made(self) -> WorkItems:

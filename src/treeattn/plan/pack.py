@@ -33,7 +33,9 @@ def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[W
     items = glued_items(tree, glued)
     length = items.item_len
     used = (length > 0) & (items.item_queries > 0)
-    mean = int(np.ceil(length[used].mean())) if used.any() else 1
+    count = int(np.count_nonzero(used))
+    # (the ceiling of the mean in integers: the float mean's below 2**53 tokens)
+    mean = -(-int(length[used].sum()) // count) if count else 1
     items = split_long_items(items, max(mean, 16))
     return items, (f"pack: {int(glued.sum())} of {int((tree.parents >= 0).sum())} edges merged "
                    f"by the profit model; items split above the mean ({mean} tokens)")

@@ -170,13 +170,12 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
     lead = np.minimum.reduceat(common, first)
     q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
     q_counts[-1] = nq - (num_tiles - 1) * per_tile
-    q_item = rank // per_tile
-    q_query = np.arange(nq)
+    q_item, q_query = rank // per_tile, None  # (a query is in one tile)
     masked = lead < item_len
     if own is not None and own.any():  # (as concat_items lays them out)
         mine = _own_items(tree, own)
         q_item = np.concatenate((q_item, num_tiles + np.arange(mine.num_items).repeat(mine.item_queries)))
-        q_query = np.concatenate((q_query, mine.q_indices))
+        q_query = np.concatenate((np.arange(nq), mine.q_indices))
         item_len = np.concatenate((item_len, mine.item_len))
         q_counts = np.concatenate((q_counts, mine.item_queries))
         masked = np.concatenate((masked, masked_flags(mine)))

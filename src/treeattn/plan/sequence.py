@@ -38,7 +38,7 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) ->
                                  q_tokens=path)
 
     # one item per query: its path (the segments made when first read)
-    items = DeferredItems(path, np.ones(tree.num_queries, dtype=np.int64), make, queries, queries)
+    items = DeferredItems(path, np.ones(tree.num_queries, dtype=np.int64), make, queries)
     longest = int(path.max())
     splits = max(1, -(-cost.target_programs // (tree.num_queries * heads.num_kv_heads)))
     max_len = max(cost.min_split_tokens, -(-longest // splits))

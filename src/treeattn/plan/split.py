@@ -58,6 +58,8 @@ class _SplitItems(DeferredItems):
 
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         src = self.source
+        if per_item.dtype == bool and per_item.all():  # every chunk counted: its item's chunks
+            return src.query_weights(self.chunks)
         return src.query_weights(np.bincount(self.chunk_item, per_item, minlength=src.num_items))
 
     def _split(self) -> WorkItems:
