@@ -263,6 +263,13 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
     return DeferredItems(length, nq, make, new_q_item, new_q_query, masked=new_masked, mask_lead=new_lead), ~new_masked
 
 
+def _splittable_lengths(items: WorkItems) -> np.ndarray:
+    """The lengths of the items of :func:`cut_at_leads` that may be split (its second value), in
+    some order: the leads of the items it cuts and the unmasked items, without cutting them."""
+    lead, masked = items.mask_lead, items.masked
+    return np.where(masked, lead, items.item_len)[~masked | (lead > 0)]
+
+
 def trunk_tokens(tree: DecodingTree) -> int:
     """Tokens that every query sees (those of the nodes above all the queries; 0 in a forest)."""
     got = tree.derived.get("trunk_tokens")
@@ -307,19 +314,25 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
             note = f"paths: tiles of {block_m} rows" + ("" if apart is None else f", {int(apart.sum())} long nodes apart")
             out.append((tiles, note))
             max_len, why = fill_length(tiles, heads, cost, tile_rows=block_m)
-            if max_len is not None:
-                cut, splittable = cut_at_leads(tiles)
-                never = np.iinfo(np.int64).max
-                split = split_long_items(cut, np.where(splittable, max_len, never))
-                if split is not cut:
-                    out.append((split, note + why.replace("long contexts", "leads")))
-                leads = cut.item_len[splittable]
-                for k in LEAD_CHUNKS if _trunk_leads(tree, leads) else ():
-                    longest = int(leads.max())
-                    chunk = -(-longest // k)
-                    if k != -(-longest // max_len) and chunk >= OWN_ITEM_TOKENS:
-                        out.append((split_long_items(cut, np.where(splittable, chunk, never)),
-                                    note + f"; leads cut into chunks of {chunk} tokens ({k} of the longest)"))
+            if max_len is None:
+                continue
+            # the items are cut at their leads only for the variants that split some
+            leads = _splittable_lengths(tiles)
+            chunks = []
+            if _trunk_leads(tree, leads):
+                longest = int(leads.max())
+                chunks = [(k, -(-longest // k)) for k in LEAD_CHUNKS
+                          if k != -(-longest // max_len) and -(-longest // k) >= OWN_ITEM_TOKENS]
+            if not chunks and not (leads > max_len).any():
+                continue
+            cut, splittable = cut_at_leads(tiles)
+            never = np.iinfo(np.int64).max
+            split = split_long_items(cut, np.where(splittable, max_len, never))
+            if split is not cut:
+                out.append((split, note + why.replace("long contexts", "leads")))
+            for k, chunk in chunks:
+                out.append((split_long_items(cut, np.where(splittable, chunk, never)),
+                            note + f"; leads cut into chunks of {chunk} tokens ({k} of the longest)"))
     return out
 
 
