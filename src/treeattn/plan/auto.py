@@ -6,7 +6,8 @@ import itertools
 
 import numpy as np
 
-from treeattn.plan.cost import CostModel, launch_slots
+from treeattn.plan.cost import CostModel
+from treeattn.plan.launches import launch_slots
 from treeattn.plan.items import WorkItems
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
