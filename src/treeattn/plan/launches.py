@@ -141,7 +141,7 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
     calls for all of them)."""
     block_m, block_n, q_shape, q_last, short_bits, long_bits = _tile_tables(heads.group, heads.head_dim)
     n_shapes = block_m.size
-    shape = q_shape[np.minimum(nq, q_last + 1)]
+    shape = q_shape.take(nq, mode="clip")  # (q_shape's last entry: every count beyond q_last)
     # an item whose rows fit a smaller tile has one; the others split into tallest tiles, so
     # ceil(queries / queries of the tallest) is every item's tile count
     if q_last & (q_last - 1) == 0:
@@ -169,15 +169,20 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
     flags = np.zeros(size, dtype=bool)
     masked_work = np.zeros_like(programs)
     if flagged is not None:
-        # (a boolean ufunc.at is ~10x slower than counting the flagged items' shapes)
-        flags = np.bincount(shape[flagged], minlength=size) > 0
+        # (the flagged items are few: their values are taken first; a boolean ufunc.at is ~10x
+        # slower than counting their shapes)
+        at = np.flatnonzero(flagged)
+        flagged_shape = shape[at]
+        flags = np.bincount(flagged_shape, minlength=size) > 0
         if lead is None:
             masked_work = work * flags
         else:  # items of a known lead count their tiles from it; a launch with others, all of its tiles
-            known = flagged & (lead >= 0)
-            counted = tiles * (kv_tiles - (lead >> kv_bits))
-            np.add.at(masked_work, shape[known], counted[known])
-            whole = np.bincount(shape[flagged & (lead < 0)], minlength=size) > 0
+            lead = lead[at]
+            known = lead >= 0
+            bits = kv_bits if long_bits is None else kv_bits[at]
+            counted = tiles[at] * (kv_tiles[at] - (lead >> bits))
+            np.add.at(masked_work, flagged_shape[known], counted[known])
+            whole = np.bincount(flagged_shape[~known], minlength=size) > 0
             masked_work[whole] = work[whole]
     hkv = heads.num_kv_heads
     shapes = (num_groups, n_shapes)

@@ -20,7 +20,7 @@ import numpy as np
 
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, _indptr, concat_items, masked_flags
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
 from treeattn.plan.split import fill_length, split_long_items
@@ -42,6 +42,8 @@ OWN_ITEM_TOKENS = 64
 #: different leads the cost model picked them where they ran 2-13% slower (h100_probe_lead_*.json).
 #: (Measured with 2 chunks as well, which the model picked for no Medusa tree at 32/8 or 32/32.)
 LEAD_CHUNKS = (3, 4, 6)
+#: the split length of items not to split (np.iinfo costs microseconds a call)
+_NEVER = int(np.iinfo(np.int64).max)
 
 
 def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None) -> WorkItems:
@@ -51,9 +53,7 @@ def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray
 
     A tile's segments are its nodes in pre-order (a node before its descendants), each up to the
     last token one of the tile's queries sees."""
-    eff_node, eff_prefix = tree.effective_queries
-    whole = np.array_equal(eff_prefix, tree.lengths[eff_node])
-    tiles = (_whole_path_tiles if whole else _pair_path_tiles)(tree, heads, rows, own)
+    tiles = (_whole_path_tiles if _whole_paths(tree) else _pair_path_tiles)(tree, heads, rows, own)
     return tiles if own is None or not own.any() else concat_items(tiles, _own_items(tree, own))
 
 
@@ -152,8 +152,7 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
     its path whole, the lengths, leads and queries the cost model reads come from the tokens over
     each query in depth-first order (a subtree's queries are consecutive) without listing the
     (tile, node) pairs."""
-    eff_node, eff_prefix = tree.effective_queries
-    if not np.array_equal(eff_prefix, tree.lengths[eff_node]):
+    if not _whole_paths(tree):
         return path_tiles(tree, heads, rows, own)
     nq = tree.num_queries
     per_tile = max(1, rows // heads.group)
@@ -182,6 +181,15 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
         lead = np.concatenate((lead, np.full(mine.num_items, -1, dtype=np.int64)))
     return DeferredItems(item_len, q_counts, lambda: path_tiles(tree, heads, rows, own), q_item, q_query,
                          masked=masked, mask_lead=lead)
+
+
+def _whole_paths(tree: DecodingTree) -> bool:
+    """Whether every query sees each node of its path whole (found once per tree)."""
+    got = tree.derived.get("paths_whole")
+    if got is None:
+        eff_node, eff_prefix = tree.effective_queries
+        got = tree.derived["paths_whole"] = _same(eff_prefix, tree.lengths[eff_node])
+    return got
 
 
 def _query_ranges(tree: DecodingTree) -> tuple:
@@ -255,12 +263,25 @@ def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
         return WorkItems(_indptr(np.bincount(seg_new, minlength=src.size)), items.seg_node, items.seg_lo,
                          items.seg_hi, _indptr(nq), items.q_indices[q], q_tokens, new_masked, new_lead)
 
-    # (item, query) pairs: each source pair in its item's part(s)
-    q_item, q_query = items.pairs()
-    twice = cut[q_item]
-    new_q_item = np.concatenate((base[q_item], base[q_item[twice]] + 1))
-    new_q_query = np.concatenate((q_query, q_query[twice]))
-    return DeferredItems(length, nq, make, new_q_item, new_q_query, masked=new_masked, mask_lead=new_lead), ~new_masked
+    return _CutItems(length, nq, make, masked=new_masked, mask_lead=new_lead, source=items, base=base), ~new_masked
+
+
+class _CutItems(DeferredItems):
+    """:func:`cut_at_leads`' items: item ``i`` of ``source`` became the items ``base[i]`` to
+    ``base[i + 1] - 1`` (one or two), each with all its queries, so a query's merge rows and
+    weights are its source items' (no (item, query) pairs listed)."""
+
+    def __init__(self, *args, source: WorkItems, base: np.ndarray, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.__dict__.update(source=source, base=base)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        # (float64 sums of small integers: exact, as the pairs' bincount)
+        return self.source.query_weights(np.add.reduceat(per_item, self.base, dtype=np.float64))
 
 
 def _splittable_lengths(items: WorkItems) -> np.ndarray:
@@ -326,12 +347,11 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
             if not chunks and not (leads > max_len).any():
                 continue
             cut, splittable = cut_at_leads(tiles)
-            never = np.iinfo(np.int64).max
-            split = split_long_items(cut, np.where(splittable, max_len, never))
+            split = split_long_items(cut, np.where(splittable, max_len, _NEVER))
             if split is not cut:
                 out.append((split, note + why.replace("long contexts", "leads")))
             for k, chunk in chunks:
-                out.append((split_long_items(cut, np.where(splittable, chunk, never)),
+                out.append((split_long_items(cut, np.where(splittable, chunk, _NEVER)),
                             note + f"; leads cut into chunks of {chunk} tokens ({k} of the longest)"))
     return out
 
