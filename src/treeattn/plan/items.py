@@ -87,6 +87,19 @@ class WorkItems:
         """``(item, query)``: the (item, query) pairs, in any order."""
         return np.arange(self.num_items).repeat(self.item_queries), self.q_indices
 
+    def leaf_items(self, tree: DecodingTree) -> np.ndarray:
+        """bool [num_items]: the *leaf items* (:mod:`~treeattn.plan.packing`), those with one
+        segment and queries, all of which sit at that segment's node of ``tree``."""
+        seg_node = self.single_nodes()
+        leaf = (seg_node >= 0) & (self.item_queries > 0)
+        if not leaf.any():
+            return leaf
+        # items with a query at another node are not
+        q_item, q_query = self.pairs()
+        elsewhere = tree.query_nodes[q_query] != seg_node[q_item]
+        leaf[q_item[elsewhere]] = False
+        return leaf
+
     def merge_rows_max(self, used: np.ndarray) -> int:
         """The most ``used`` items (bool [num_items]) that one query is in: its chain of partial
         rows to merge (0 without used items)."""
@@ -293,7 +306,28 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
                          q, q_tokens)
 
     # a chain of one node is one segment of it
-    return DeferredItems(item_len, np.bincount(b, minlength=n), make, b, q, np.where(top == ids, ids, -1))
+    return _ChainItems(item_len, np.bincount(b, minlength=n), make, b, q, np.where(top == ids, ids, -1))
+
+
+class _ChainItems(DeferredItems):
+    """:func:`glued_items`' items, item ``b`` the chain whose bottom is node ``b``; their leaf
+    items come from the tree's query counts."""
+
+    def leaf_items(self, tree: DecodingTree) -> np.ndarray:
+        # every query at b that sees a token of b's own ends its path at b, so it is in item b:
+        # all the item's queries sit at b iff as many as those
+        nq = self.item_queries
+        return (self._single_nodes >= 0) & (nq > 0) & (queries_at_nodes(tree) == nq)
+
+
+def queries_at_nodes(tree: DecodingTree) -> np.ndarray:
+    """int64 [N]: the queries at each node that see a token of it (prefix > 0: their effective
+    node, :attr:`DecodingTree.effective_queries`, is that node); made once per tree."""
+    got = tree.derived.get("queries_at_nodes")
+    if got is None:
+        got = tree.derived["queries_at_nodes"] = np.bincount(tree.query_nodes[tree.query_prefix > 0],
+                                                             minlength=tree.num_nodes)
+    return got
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

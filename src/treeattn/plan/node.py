@@ -5,10 +5,12 @@ once; the item count and sizes follow the tree, which balances poorly (DeFT Sec.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems
+from treeattn.plan.items import WorkItems, queries_at_nodes
 from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
@@ -33,8 +35,19 @@ def _node_items(tree: DecodingTree) -> WorkItems:
     q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
     np.bincount(node, minlength=tree.num_nodes)[nodes].cumsum(out=q_indptr[1:])
     seg_hi = extent[nodes]
-    return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
-                     visible).with_item_len(seg_hi)
+    return _NodeItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
+                      visible).with_item_len(seg_hi)
+
+
+@dataclass(frozen=True)
+class _NodeItems(WorkItems):
+    """:func:`node_items`' items, whose leaf items come from the tree's query counts."""
+
+    def leaf_items(self, tree: DecodingTree) -> np.ndarray:
+        # node x's item holds the queries whose effective node (DecodingTree.effective_queries)
+        # is in x's subtree: all sit at x iff as many are at x and see a token of it
+        nq = self.item_queries
+        return (nq > 0) & (queries_at_nodes(tree)[self.seg_node] == nq)
 
 
 def _plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:

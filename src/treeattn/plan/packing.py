@@ -29,19 +29,6 @@ PACK_MAX_TOKENS = 256
 PACK_MAX_FACTOR = 16
 
 
-def _leaf_items(items: WorkItems, tree: DecodingTree) -> np.ndarray:
-    """bool [num_items]: items with one segment whose queries all sit at that segment's node."""
-    seg_node = items.single_nodes()
-    leaf = (seg_node >= 0) & (items.item_queries > 0)
-    if not leaf.any():
-        return leaf
-    # items with a query at another node are not
-    q_item, q_query = items.pairs()
-    elsewhere = tree.query_nodes[q_query] != seg_node[q_item]
-    leaf[q_item[elsewhere]] = False
-    return leaf
-
-
 def _median(values: np.ndarray) -> int:
     """``int(np.median(values))`` of non-negative integers, without its overhead."""
     m = values.size // 2
@@ -68,7 +55,7 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
     if k < 2 or n < 2:
         return items
     nq = items.item_queries
-    leaf = (_leaf_items(items, tree) if leaf is None else leaf) & (nq * group * k <= rows) & \
+    leaf = (items.leaf_items(tree) if leaf is None else leaf) & (nq * group * k <= rows) & \
         (items.item_len * k <= max_tokens)
     if np.count_nonzero(leaf) < 2:
         return items
@@ -146,7 +133,7 @@ def leaf_packing_variant(tree: DecodingTree, items: WorkItems, heads: HeadConfig
     left as they are."""
     if not cost.leaf_packing or items.num_items * heads.num_kv_heads < cost.target_programs:
         return None, 1  # few programs: nothing to save
-    leaf = _leaf_items(items, tree)
+    leaf = items.leaf_items(tree)
     if np.count_nonzero(leaf) < 2:
         return None, 1
     rows = _median(items.item_queries[leaf]) * heads.group
