@@ -281,6 +281,14 @@ class DecodingTree:
         return csum[topo.tout] - csum[topo.tin]
 
     @functools.cached_property
+    def slot_breaks(self) -> np.ndarray:
+        """int64: the positions ``i >= 1`` of :attr:`kv_indices` whose slot does not follow the
+        one before (``kv_indices[i] != kv_indices[i - 1] + 1``): where the tree's runs of
+        consecutive slots start (none where its tokens lie in order in the pool)."""
+        kv = self.kv_indices
+        return np.flatnonzero(kv[1:] - kv[:-1] != 1) + 1
+
+    @functools.cached_property
     def derived(self) -> dict:
         """Values that planners derive from the tree alone, by name (a tree does not change, so
         ``auto``'s planners share them)."""
