@@ -177,6 +177,8 @@ def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     counts = np.asarray(ends, dtype=np.int64) - starts
     np.maximum(counts, 0, out=counts)  # (e < s: empty, as arange)
     end = counts.cumsum()
+    if end.size and end[-1] == end.size and counts.min() == 1:
+        return starts.copy()  # (every range holds one value)
     # entry i of a range is i plus the range's start less the entries of the ranges before it
     # (fewer numpy calls than a prefix sum of steps, and as fast on large outputs)
     return np.arange(end[-1] if end.size else 0) + (starts - end + counts).repeat(counts)
