@@ -171,17 +171,34 @@ def children_of(nodes: np.ndarray, indptr: np.ndarray, indices: np.ndarray) -> n
     return indices[ranges(starts, ends)]
 
 
+#: Mean range length from which :func:`ranges` repeats offsets instead of summing steps.
+_LONG_RANGES = 4
+
+
 def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, e)`` for each pair, vectorised (int64)."""
+    """Concatenation of ``arange(s, e)`` for each pair, vectorised."""
     starts = np.asarray(starts, dtype=np.int64)
     counts = np.asarray(ends, dtype=np.int64) - starts
-    np.maximum(counts, 0, out=counts)  # (e < s: empty, as arange)
-    end = counts.cumsum()
-    if end.size and end[-1] == end.size and counts.min() == 1:
-        return starts.copy()  # (every range holds one value)
-    # entry i of a range is i plus the range's start less the entries of the ranges before it
-    # (fewer numpy calls than a prefix sum of steps, and as fast on large outputs)
-    return np.arange(end[-1] if end.size else 0) + (starts - end + counts).repeat(counts)
+    nonempty = counts > 0
+    if not nonempty.all():
+        starts, counts = starts[nonempty], counts[nonempty]
+    if counts.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    first = counts.cumsum()
+    total = int(first[-1])
+    if total == counts.size:
+        return starts.copy()  # every range holds one value
+    first -= counts
+    if total >= _LONG_RANGES * counts.size:
+        # few long ranges: an entry is its index plus its range's start less the entries before
+        # that range (fewer numpy calls than the prefix sum below)
+        return np.arange(total) + (starts - first).repeat(counts)
+    # many short ones (numpy's repeat pays per range): one output-sized array of steps of 1, a
+    # jump to the next start at each range's first entry, then a prefix sum
+    out = np.ones(total, dtype=np.int64)
+    out[0] = starts[0]
+    out[first[1:]] = starts[1:] - starts[:-1] - counts[:-1] + 1
+    return out.cumsum(out=out)
 
 
 def _exclusive_segment_cumsum(values: np.ndarray, indptr: np.ndarray) -> np.ndarray:
