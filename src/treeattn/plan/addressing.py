@@ -10,8 +10,8 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs", "runs_between",
-           "slot_breaks", "split_tails", "tma_launches", "tma_loads", "unit_runs"]
+__all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
+           "runs_between", "slot_breaks", "split_tails", "tma_launches", "tma_loads", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)

@@ -101,7 +101,7 @@ def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
         slots = np.arange(entry[-1] + count[-1] if count.size else 0, dtype=np.int32)
         slots += (first - entry).astype(np.int32).repeat(count)
         return slots, entry[1:][first[1:] != first[:-1] + count[:-1]]
-    if count.size * _SLICE_MIN_TOKENS <= count.sum():
+    if count.size * _SLICE_MIN_TOKENS <= count.sum():  # (some segment: none takes the path above)
         # long segments: slice copies are cheaper than a per-token index array
         kv = tree.kv_indices
         slots = np.concatenate([kv[a:b] for a, b in zip(start.tolist(), (start + count).tolist())], dtype=np.int32)
