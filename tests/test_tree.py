@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from helpers import random_parents
+from helpers import random_parents, random_tree
 from treeattn import DecodingTree
 
 
@@ -111,6 +111,29 @@ def test_paths_list_each_nodes_ancestors_root_first():
     tree = DecodingTree.from_parents([2, 2, -1, 1, -1], [1, 1, 1, 1, 1])
     owner, node = tree.paths(np.array([3, 4, 2]))
     assert owner.tolist() == [0, 0, 0, 1, 2] and node.tolist() == [2, 1, 3, 4, 2]
+
+
+@pytest.mark.parametrize("inner", [False, True])
+def test_pairs_by_node_are_the_effective_paths_sorted_by_node(rng, inner):
+    for _ in range(40):
+        tree = random_tree(rng, int(rng.integers(1, 80)), int(rng.choice([1, 4, 16])),
+                           roots=int(rng.integers(1, 4)), inner_queries=inner)
+        pre = np.lexsort((tree.query_prefix, tree.topology.tin[tree.query_nodes]))
+        # (queries in pre-order of their nodes take the sort-free path)
+        for t in (tree, tree.with_queries(tree.query_nodes[pre], tree.query_prefix[pre])):
+            eff, prefix = t.effective_queries
+            owner, node = t.paths(eff)
+            last = np.append(owner[1:] != owner[:-1], True)
+            nxt = np.where(last, -1, np.append(node[1:], -1))
+            visible = np.where(last, prefix[owner], t.lengths[node])
+            order = np.argsort(node, kind="stable")
+            for got, want in zip(t.pairs_by_node, (owner, node, nxt, visible)):
+                assert got.dtype == np.int64 and got.tolist() == want[order].tolist()
+            below = np.bincount(node, minlength=t.num_nodes)
+            assert t.subtree_queries.tolist() == below.tolist()
+            extent = np.zeros(t.num_nodes, dtype=np.int64)
+            np.maximum.at(extent, node, visible)
+            assert t.node_extent.tolist() == extent.tolist()
 
 
 def _fresh(tree):

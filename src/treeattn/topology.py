@@ -171,6 +171,10 @@ def children_of(nodes: np.ndarray, indptr: np.ndarray, indices: np.ndarray) -> n
     return indices[ranges(starts, ends)]
 
 
+#: Mean range length from which :func:`ranges` repeats offsets instead of summing steps.
+_LONG_RANGES = 4
+
+
 def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, e)`` for each pair, vectorised."""
     starts = np.asarray(starts, dtype=np.int64)
@@ -181,12 +185,17 @@ def ranges(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     if counts.size == 0:
         return np.zeros(0, dtype=np.int64)
     first = counts.cumsum()
-    if first[-1] == counts.size:
+    total = int(first[-1])
+    if total == counts.size:
         return starts.copy()  # every range holds one value
-    # one output-sized array: steps of 1, a jump to the next start at each range's first entry,
-    # then a prefix sum (cheaper than repeat + arange + add when the output is large)
-    out = np.ones(int(first[-1]), dtype=np.int64)
     first -= counts
+    if total >= _LONG_RANGES * counts.size:
+        # few long ranges: an entry is its index plus its range's start less the entries before
+        # that range (fewer numpy calls than the prefix sum below)
+        return np.arange(total) + (starts - first).repeat(counts)
+    # many short ones (numpy's repeat pays per range): one output-sized array of steps of 1, a
+    # jump to the next start at each range's first entry, then a prefix sum
+    out = np.ones(total, dtype=np.int64)
     out[0] = starts[0]
     out[first[1:]] = starts[1:] - starts[:-1] - counts[:-1] + 1
     return out.cumsum(out=out)

@@ -27,6 +27,7 @@ from treeattn.topology import (
     Topology,
     ancestor_table,
     build_topology,
+    ranges,
     root_paths,
 )
 
@@ -251,6 +252,34 @@ class DecodingTree:
         """int64 ``(query, node, next, visible)``: the pairs of :attr:`effective_paths` with
         :attr:`effective_visible`, grouped by node (queries in increasing order within a node);
         ``next`` is the node after ``node`` on the query's path, ``-1`` at its end."""
+        eff_node, eff_prefix = self.effective_queries
+        topo = self.topology
+        q_tin = topo.tin[eff_node]
+        if (q_tin[1:] < q_tin[:-1]).any():
+            return self._pairs_sorted_by_node()
+        # the queries are in pre-order of their effective nodes (leaves numbered in order, say):
+        # a node's pairs are those of a range of query ids, its own queries first, then those
+        # below each child in turn (children in id order are in pre-order), so all four arrays
+        # are runs, made without a sort or a gather per pair
+        lo, hi, own = self._queries_below
+        below = hi - lo
+        ids = np.arange(self.num_nodes)
+        kids = topo.child_indices
+        # each node's runs of ``next``: -1 for its own queries, then each child for those below it
+        first = ids + topo.child_indptr[:-1]
+        kid_at = self.parents[kids] + 1 + np.arange(kids.size)
+        run_next = np.empty(first.size + kids.size, dtype=np.int64)
+        run_len = np.empty_like(run_next)
+        run_next[first], run_len[first] = -1, own
+        run_next[kid_at], run_len[kid_at] = kids, below[kids]
+        visible = self.lengths.repeat(below)
+        if not np.array_equal(eff_prefix, self.lengths[eff_node]):  # (else queries see their nodes whole)
+            start = below.cumsum() - below
+            visible[ranges(start, start + own)] = eff_prefix[ranges(lo, lo + own)]
+        return ranges(lo, hi), ids.repeat(below), run_next.repeat(run_len), visible
+
+    def _pairs_sorted_by_node(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """:attr:`pairs_by_node` of any tree: :attr:`effective_paths` sorted by node."""
         owner, node = self.effective_paths
         nxt = np.empty_like(node)
         nxt[:-1] = node[1:]
@@ -266,19 +295,34 @@ class DecodingTree:
         # a node is read whole when some query's effective node lies strictly below it, else up
         # to the longest prefix of the queries whose effective node it is (fewer than the pairs)
         node, prefix = self.effective_queries
-        at = np.bincount(node, minlength=self.num_nodes)
-        extent = np.where(self.subtree_queries > at, self.lengths, 0)
+        extent = np.where(self.subtree_queries > self._queries_below[2], self.lengths, 0)
         np.maximum.at(extent, node, prefix)
         return extent
 
     @functools.cached_property
     def subtree_queries(self) -> np.ndarray:
         """int64 [N]: queries whose visible KV ends in each node's subtree."""
+        lo, hi, _ = self._queries_below
+        return hi - lo
+
+    @functools.cached_property
+    def _queries_below(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """int64 [N] ``(lo, hi, own)``: the queries whose effective node lies in each node's
+        subtree are those at ``[lo, hi)`` of the queries in (stable) pre-order of their effective
+        nodes, the first ``own`` of them at the node itself."""
         topo = self.topology
         at = np.bincount(topo.tin[self.effective_queries[0]], minlength=self.num_nodes)
         csum = np.zeros(at.size + 1, dtype=np.int64)
         at.cumsum(out=csum[1:])
-        return csum[topo.tout] - csum[topo.tin]
+        return csum[topo.tin], csum[topo.tout], at[topo.tin]
+
+    @functools.cached_property
+    def slot_breaks(self) -> np.ndarray:
+        """int64: the positions ``i >= 1`` of :attr:`kv_indices` whose slot does not follow the
+        one before (``kv_indices[i] != kv_indices[i - 1] + 1``): where the tree's runs of
+        consecutive slots start (none where its tokens lie in order in the pool)."""
+        kv = self.kv_indices
+        return np.flatnonzero(kv[1:] - kv[:-1] != 1) + 1
 
     @functools.cached_property
     def derived(self) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.addressing import contig_launches, split_tails, tma_launches, tma_loads, unit_runs
+from treeattn.plan.addressing import contig_launches, runs_between, slot_breaks, split_tails, tma_launches, tma_loads
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.plan import (
@@ -84,15 +84,31 @@ def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
     return tensors, host
 
 
-def _gather_slots(tree: DecodingTree, start: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """int32: ``tree.kv_indices[start:start + count]`` of every segment, concatenated."""
-    if count.size * _SLICE_MIN_TOKENS <= count.sum():
+def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
+               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The KV slot list of segments of ``count`` entries from ``tree.kv_indices[start]`` on, the
+    segment's first entry at ``entry``: int32 the slots, concatenated, and int64 their
+    :func:`~treeattn.plan.addressing.slot_breaks`."""
+    if not count.all():
+        nonempty = np.flatnonzero(count)
+        start, count, entry = start[nonempty], count[nonempty], entry[nonempty]
+    breaks = tree.slot_breaks
+    if breaks.size == 0 or (np.searchsorted(breaks, start, side="right") ==
+                            np.searchsorted(breaks, start + count, side="left")).all():
+        # every segment is a run of slots (no break inside): the list is made from the segments'
+        # first slots, and so are its breaks, without a per-entry gather or compare
+        first = tree.kv_indices[start]
+        slots = np.arange(entry[-1] + count[-1] if count.size else 0, dtype=np.int32)
+        slots += (first - entry).astype(np.int32).repeat(count)
+        return slots, entry[1:][first[1:] != first[:-1] + count[:-1]]
+    if count.size * _SLICE_MIN_TOKENS <= count.sum():  # (some segment: none takes the path above)
         # long segments: slice copies are cheaper than a per-token index array
         kv = tree.kv_indices
-        return np.concatenate([kv[a:b] for a, b in zip(start.tolist(), (start + count).tolist())]
-                              + [np.zeros(0, np.int64)], dtype=np.int32)
-    idx = ranges(start, start + count)
-    return np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
+        slots = np.concatenate([kv[a:b] for a, b in zip(start.tolist(), (start + count).tolist())], dtype=np.int32)
+    else:
+        idx = ranges(start, start + count)
+        slots = np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
+    return slots, slot_breaks(slots)
 
 
 def segment_records(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray) -> np.ndarray:
@@ -212,19 +228,20 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
     # segments and queries, item after item
-    nseg = items.seg_indptr[keep + 1] - items.seg_indptr[keep]
-    seg = ranges(items.seg_indptr[keep], items.seg_indptr[keep + 1])
+    seg_start, seg_end = items.seg_indptr[keep], items.seg_indptr[keep + 1]
+    nseg = seg_end - seg_start
+    seg = ranges(seg_start, seg_end)
     seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
     q_start = items.q_indptr[keep]
     row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
     # KV slots
     seg_len = seg_hi - seg_lo
-    kv_indices = _gather_slots(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len)
     seg_kv = seg_len.cumsum() - seg_len  # each segment's first entry
+    kv_indices, breaks = _slot_list(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len, seg_kv)
     # entries holding the last token of their node: at most one per segment
     node_len = tree.lengths[seg_node]
-    at_tail = (seg_lo < node_len) & (node_len <= seg_hi)
-    tail = (seg_kv + node_len - 1 - seg_lo)[at_tail]
+    tail_seg = np.flatnonzero((seg_lo < node_len) & (node_len <= seg_hi))
+    tail = (seg_kv + node_len - 1 - seg_lo)[tail_seg]
     item_bound = _indptr(length)  # each item's first entry, and the end
     item_kv_start = item_bound[:-1]
     # work units = query tiles
@@ -244,7 +261,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     mask, seg_mask = [None] * 3, [None] * 3
     if needs_mask:
         seg_tin, seg_tout, q_tin = topo.tin[seg_node], topo.tout[seg_node], topo.tin[tree.query_nodes]
-        seg_mask = [seg_len, segment_records(seg_tin, seg_tout, seg_lo), np.flatnonzero(at_tail)]
+        seg_mask = [seg_len, segment_records(seg_tin, seg_tout, seg_lo), tail_seg]
         mask = [mask_rows(seg_mask[1], seg_len, seg_kv), q_tin, tree.query_prefix]
     # where each item's mask starts (its end if none; without a plan mask, every end: a mask
     # added later sets its own starts)
@@ -296,7 +313,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads,
                                             tall_first=True))
     gather_launches = tuple(launches)
-    launches = contig_launches(gather_launches, unit_runs(kv_indices, work_kv_start, work_kv_end),
+    launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
                                heads.num_kv_heads, cost.num_sms, has_mask=needs_mask)
     if tma_loads(heads, cost):
         launches = tma_launches(launches, work_kv_start, work_kv_end)
@@ -322,7 +339,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
         "tree_mask": mask[0], "query_pos": mask[1], "query_prefix": mask[2]}, device)
     min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
-    tail_node = seg_node[at_tail].astype(np.intp, copy=False)
+    tail_node = seg_node[tail_seg].astype(np.intp, copy=False)
     start_tails = np.searchsorted(tail, work_kv_start)
     end_tails = np.searchsorted(tail, work_kv_end)
     return Plan(

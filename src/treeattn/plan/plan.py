@@ -349,12 +349,14 @@ def unit_mask_terms(launches, num_work: int) -> tuple:
     units of launches that split (``~(block_n - 1)``: a mask start's lead rounded down to its KV
     tile), 0 for the others (None: no launch splits)."""
     sizes = [ln.work_end - ln.work_start for ln in launches]
-    masked = np.repeat(np.array([ln.masked for ln in launches], dtype=bool), sizes)
+    masked = None
+    if sum(sizes) != num_work or not all(ln.masked for ln, n in zip(launches, sizes) if n):
+        masked = np.repeat(np.array([ln.masked for ln in launches], dtype=bool), sizes)
     align = None
     if any(ln.masked and ln.mask_split for ln in launches):
         align = np.repeat(np.array([-ln.block_n if ln.masked and ln.mask_split else 0 for ln in launches],
                                    dtype=np.int64), sizes)
-    return (None if masked.size == num_work and masked.all() else masked), align
+    return masked, align
 
 
 def masked_entries_by_unit(work_kv_start: np.ndarray, work_mask_start: np.ndarray, work_kv_end: np.ndarray,
