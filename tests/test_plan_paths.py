@@ -19,9 +19,13 @@ from treeattn.plan.paths import (
     cut_at_leads,
     deferred_path_tiles,
     path_tiles,
+    _run_tokens,
     paths_variants,
+    run_leads,
     trunk_tokens,
 )
+from treeattn.plan.addressing import unit_runs
+from treeattn.reference import reference_attention
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
 HEADS = (HeadConfig(8, 8, 64, torch.float16), HeadConfig(8, 2, 64, torch.float16), HeadConfig(16, 2, 64, torch.float16))
@@ -159,3 +163,55 @@ def test_trunk_leads_cut_into_chunks_match_float64_reference(rng, device, hq, hk
     notes = [note for _, note in paths_variants(tree_from_spec("1,2,64_300,100,30"), heads, CostModel())]
     assert any("leads split" in note for note in notes)  # split leads, but not the trunk's
     assert not any("leads cut" in note for note in notes)
+
+
+def test_run_tokens():
+    """Tokens of each node's root path in one run of slots from its first, in whole nodes."""
+    # root 10..13, its child 1 continues at 14..15 and 1's child 3 at 16; child 2 starts
+    # elsewhere; child 4 of 1 has a break inside
+    tree = DecodingTree.from_parents([-1, 0, 0, 1, 1], [4, 2, 3, 1, 3], query_nodes=[2, 3, 4],
+                                     kv_indices=[10, 11, 12, 13, 14, 15, 30, 31, 32, 16, 17, 18, 40])
+    assert _run_tokens(tree).tolist() == [4, 6, 4, 7, 6]
+    # a forest: each root path's run from its own first slot
+    forest = DecodingTree.from_parents([-1, -1, 1], [2, 2, 2], query_nodes=[0, 2], kv_indices=[5, 6, 0, 1, 2, 3])
+    assert _run_tokens(forest).tolist() == [2, 2, 4]
+
+
+def _scratch_medusa(size: int, ctx: int, scratch: int) -> DecodingTree:
+    """A Medusa tree over a ``ctx``-token context in slots ``0..ctx-1`` with its drafts from slot
+    ``scratch`` on (the engine's layout: the drafts' scratch pages away from the context)."""
+    base = tree_from_medusa(size, context_len=ctx)
+    kv = base.kv_indices.copy()
+    kv[ctx:] += scratch - ctx
+    return DecodingTree.from_parents(base.parents, base.lengths, kv_indices=kv, query_nodes=base.query_nodes,
+                                     query_prefix=base.query_prefix)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (16, 4)])
+def test_trunk_leads_keep_to_runs_of_slots_and_match_float64_reference(device, hq, hkv):
+    """A token tree whose shared first drafts lie in scratch slots after a context of consecutive
+    slots: the split variants cut the tiles' leads at the context (the drafts go to the masked
+    rest), so every lead reads one run of slots and their launch takes affine addresses; the plans
+    match a float64 reference."""
+    d, ctx = 16, 300
+    tree = _scratch_medusa(64, ctx, 512)
+    heads = HeadConfig(hq, hkv, d, torch.float32)
+    tiles = deferred_path_tiles(tree, heads, 8 * heads.group)
+    beyond = tiles.mask_lead > ctx  # tiles whose queries share their first drafts
+    assert beyond.any() and (run_leads(tree, tiles) == np.where(beyond, ctx, tiles.mask_lead)).all()
+    # with the drafts right after the context, the leads are runs already
+    plain = tree_from_medusa(64, context_len=ctx)
+    assert run_leads(plain, deferred_path_tiles(plain, heads, 8 * heads.group)) is None
+    q = torch.randn(tree.num_queries, hq, d)
+    kc, vc = torch.randn(512 + tree.num_tokens, 1, hkv, d), torch.randn(512 + tree.num_tokens, 1, hkv, d)
+    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), tree)
+    split = [(items, note) for items, note in paths_variants(tree, heads, CostModel()) if "leads" in note]
+    assert split
+    for items, note in split:
+        plan = build_plan(tree, items, heads, strategy="paths", device=device)
+        h = plan.host
+        runs = unit_runs(h.kv_slots, h.work_kv_start, h.work_kv_end)
+        unmasked = [ln for ln in plan.launches if not ln.masked]
+        assert unmasked and all(runs[ln.work_start: ln.work_end].all() for ln in unmasked), note
+        w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device=device), device=device, backend="triton")
+        assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4, note

@@ -35,6 +35,9 @@ SHORT_TILE_MIN_GROUP = 4
 #: a node with fewer rows than the query tile stays an item of its own beyond this many tokens
 #: (in the variants that keep such nodes apart)
 OWN_ITEM_TOKENS = 64
+#: a trunk lead keeps only its run of consecutive KV slots where at most this many of its last
+#: tokens lie elsewhere (:func:`run_leads`: a token tree's shared first drafts)
+RUN_LEAD_SLACK = 16
 #: where the leads are the tree's trunk (a token tree over one context: every tile reads the same
 #: context), the split variants also cut them into this many chunks of the longest lead. On Medusa
 #: trees the fill split's chunks were too short (t=256 at 800-2500 tokens: 1.18-1.22x faster with
@@ -230,12 +233,15 @@ def _rank_tokens(tree: DecodingTree, own: np.ndarray | None) -> tuple:
     return got
 
 
-def cut_at_leads(items: WorkItems) -> tuple[WorkItems, np.ndarray]:
+def cut_at_leads(items: WorkItems, at: np.ndarray | None = None) -> tuple[WorkItems, np.ndarray]:
     """``items`` with each masked item of a known lead (:attr:`WorkItems.mask_lead`, on a segment
     boundary) cut in two: its lead, which every query of it sees whole (unmasked), and the rest;
     and bool [new items]: the items that may be split into KV chunks whose queries all see them
-    (the leads and the unmasked items). The segments are made when first read."""
-    lead, masked = items.mask_lead, items.masked
+    (the leads and the unmasked items). The segments are made when first read.
+
+    ``at`` (int64 [items], default the leads) cuts each item there instead: a segment boundary
+    within its lead (:func:`run_leads`)."""
+    lead, masked = items.mask_lead if at is None else at, items.masked
     n = items.num_items
     cut = masked & (lead > 0)
     base = _indptr(1 + cut)[:-1]
@@ -284,11 +290,71 @@ class _CutItems(DeferredItems):
         return self.source.query_weights(np.add.reduceat(per_item, self.base, dtype=np.float64))
 
 
-def _splittable_lengths(items: WorkItems) -> np.ndarray:
-    """The lengths of the items of :func:`cut_at_leads` that may be split (its second value), in
-    some order: the leads of the items it cuts and the unmasked items, without cutting them."""
-    lead, masked = items.mask_lead, items.masked
+def _splittable_lengths(items: WorkItems, at: np.ndarray | None = None) -> np.ndarray:
+    """The lengths of the items of :func:`cut_at_leads` (cut ``at``) that may be split (its second
+    value), in some order: the leads of the items it cuts and the unmasked items, without cutting
+    them."""
+    lead, masked = items.mask_lead if at is None else at, items.masked
     return np.where(masked, lead, items.item_len)[~masked | (lead > 0)]
+
+
+def run_leads(tree: DecodingTree, items: WorkItems) -> np.ndarray | None:
+    """int64 [items]: where :func:`cut_at_leads` should cut ``items`` (path tiles) so that their
+    leads read one run of consecutive KV slots; None where no lead changes.
+
+    A lead whose last few tokens (at most :data:`RUN_LEAD_SLACK`, whole nodes) lie elsewhere in
+    the pool than the run before them (a token tree's first drafts in the engine's scratch slots,
+    after a context of consecutive slots) keeps only the run, and those tokens go to the rest of
+    the tile (masked anyway): a launch takes affine addresses only when all its units are runs
+    (:func:`~treeattn.plan.addressing.contig_launches`), and one such lead kept the whole launch
+    of a Medusa tree's context chunks gathered."""
+    lead = items.mask_lead
+    q_item, q_query = items.pairs()
+    first = np.full(items.num_items, -1, dtype=np.int64)
+    first[q_item[::-1]] = q_query[::-1]  # (each item's first query: the last write wins)
+    has = (lead > 0) & items.masked & (first >= 0)
+    run = np.minimum(lead, _run_tokens(tree)[tree.effective_queries[0][np.maximum(first, 0)]])
+    moved = has & (run > 0) & (run < lead) & (lead - run <= RUN_LEAD_SLACK)
+    return np.where(moved, run, lead) if moved.any() else None
+
+
+def _run_tokens(tree: DecodingTree) -> np.ndarray:
+    """int64 [nodes]: how many of the tokens on each node's root path (its ancestors' and its own)
+    lie in one run of consecutive KV slots from the path's first token, counted in whole nodes
+    (made once per tree)."""
+    got = tree.derived.get("paths_run_tokens")
+    if got is not None:
+        return got
+    topo, length, kv = tree.topology, tree.lengths, tree.kv_indices
+    above = topo.path_tokens
+    full = above + length
+    if kv.size == 0:
+        tree.derived["paths_run_tokens"] = full
+        return full
+    start, end = tree.kv_indptr[:-1], tree.kv_indptr[1:]
+    nonempty = length > 0
+    # breaks between consecutive entries of the flat slot list, counted up to each entry
+    breaks = np.concatenate(([0], np.cumsum(kv[1:] != kv[:-1] + 1)))
+    inner = np.where(nonempty, breaks[np.maximum(end - 1, 0)] - breaks[np.minimum(start, kv.size - 1)], 0)
+    # a node continues its path's run when its first slot is the path's first slot plus the tokens
+    # above it: the same offset as the path's head (its topmost node with tokens)
+    offset = kv[np.minimum(start, kv.size - 1)] - above
+    head = np.flatnonzero(nonempty & (above == 0))
+    head = head[np.argsort(topo.tin[head])]  # (their subtrees are disjoint)
+    at = np.maximum(np.searchsorted(topo.tin[head], topo.tin, side="right") - 1, 0)
+    bad = nonempty & ((inner > 0) | (offset != offset[head[at]]))
+    # each node's run ends at its topmost bad ancestor-or-self (the outermost bad subtrees)
+    bad = np.flatnonzero(bad)
+    if bad.size == 0:
+        tree.derived["paths_run_tokens"] = full
+        return full
+    bad = bad[np.argsort(topo.tin[bad])]
+    tout = topo.tout[bad]
+    outer = bad[topo.tin[bad] >= np.concatenate(([0], np.maximum.accumulate(tout)[:-1]))]
+    j = np.searchsorted(topo.tin[outer], topo.tin, side="right") - 1
+    inside = (j >= 0) & (topo.tin < topo.tout[outer[np.maximum(j, 0)]])
+    got = tree.derived["paths_run_tokens"] = np.where(inside, above[outer[np.maximum(j, 0)]], full)
+    return got
 
 
 def trunk_tokens(tree: DecodingTree) -> int:
@@ -339,14 +405,17 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
                 continue
             # the items are cut at their leads only for the variants that split some
             leads = _splittable_lengths(tiles)
-            chunks = []
+            chunks, at = [], None
             if _trunk_leads(tree, leads):
+                at = run_leads(tree, tiles)
+                if at is not None:
+                    leads = _splittable_lengths(tiles, at)
                 longest = int(leads.max())
                 chunks = [(k, -(-longest // k)) for k in LEAD_CHUNKS
                           if k != -(-longest // max_len) and -(-longest // k) >= OWN_ITEM_TOKENS]
             if not chunks and not (leads > max_len).any():
                 continue
-            cut, splittable = cut_at_leads(tiles)
+            cut, splittable = cut_at_leads(tiles, at)
             split = split_long_items(cut, np.where(splittable, max_len, _NEVER))
             if split is not cut:
                 out.append((split, note + why.replace("long contexts", "leads")))
