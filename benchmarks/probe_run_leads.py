@@ -6,7 +6,8 @@ unit of the unmasked launch over the context chunks reads one run of slots. At t
 its 64-row tiles keep gathered slots beyond one wave of programs (a rule measured on the kernel
 suite). This times ``auto``'s plan (the engine's cost model) as planned and with such unmasked
 all-run launches forced to affine addresses at their own config (``contig``) and at
-TILE_TALL_CONTIG (``contig_tall``), under CUDA-graph replay with PDL (``probe_spec._time_plan``).
+TILE_TALL_CONTIG (``contig_tall``), and the 128-row ones through TMA descriptors at TILE_TALL_TMA
+(``tma``), under CUDA-graph replay with PDL (``probe_spec._time_plan``).
 
     python benchmarks/probe_run_leads.py [--sizes 64,128,256] [--contexts 800,1500,2500] [--out FILE]
 """
@@ -21,19 +22,21 @@ import torch
 from probe_spec import HQ, _check, _medusa_setup, _time_plan, spec_tree
 from treeattn.bench.timing import provenance
 from treeattn.plan import make_plan
-from treeattn.plan.addressing import TILE_TALL_CONTIG, unit_runs
+from treeattn.plan.addressing import TILE_TALL_CONTIG, TILE_TALL_TMA, unit_runs
 
 
 def variants(plan) -> dict:
     h = plan.host
     runs = unit_runs(h.kv_slots, h.work_kv_start, h.work_kv_end)
     out = {"planned": plan}
-    for name, cfg in (("contig", None), ("contig_tall", TILE_TALL_CONTIG)):
+    for name, cfg in (("contig", None), ("contig_tall", TILE_TALL_CONTIG), ("tma", TILE_TALL_TMA)):
         launches = []
         for ln in plan.launches:
-            if not ln.masked and not ln.contig and not ln.tma and ln.work_end > ln.work_start \
-                    and runs[ln.work_start: ln.work_end].all():
+            if not ln.masked and not ln.tma and ln.work_end > ln.work_start and runs[ln.work_start: ln.work_end].all() \
+                    and (name == "tma" and ln.block_m >= 128 or name != "tma" and not ln.contig):
                 extra = {} if cfg is None else dict(zip(("block_n", "num_warps", "num_stages"), cfg))
+                if name == "tma":
+                    extra.update(tma=True, split_tail=True)
                 ln = dataclasses.replace(ln, contig=True, **extra)
             launches.append(ln)
         if tuple(launches) != plan.launches:
