@@ -117,8 +117,8 @@ class WorkItems:
         return rows
 
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
-        """float64: for each query (up to the largest in an item), the sum of ``per_item`` (small
-        integers: exact) over the items it is in."""
+        """float64 (int64 for some subclasses): for each query (up to the largest in an item, or
+        all), the sum of ``per_item`` (small integers: exact) over the items it is in."""
         return np.bincount(self.q_indices, per_item.repeat(self.item_queries))
 
     def take(self, keep: np.ndarray) -> "WorkItems":
@@ -318,6 +318,35 @@ class _ChainItems(DeferredItems):
         # all the item's queries sit at b iff as many as those
         nq = self.item_queries
         return (self._single_nodes >= 0) & (nq > 0) & (queries_at_nodes(tree) == nq)
+
+
+def query_ranges(tree: DecodingTree) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+    """``(order, lo, hi)``: the queries in depth-first order (int64 [Q], by their effective
+    node's pre-order number, stable; None when that is their id order) and, int64 [N], the ranks
+    ``lo..hi-1`` in that order of the queries of each node's subtree (made once per tree)."""
+    got = tree.derived.get("query_ranges")
+    if got is None:
+        q_tin = tree.topology.tin[tree.effective_queries[0]]
+        order = None if (q_tin[1:] >= q_tin[:-1]).all() else np.argsort(q_tin, kind="stable")
+        lo, hi, _ = tree._queries_below
+        got = tree.derived["query_ranges"] = (order, lo, hi)
+    return got
+
+
+def range_weights(order: np.ndarray | None, lo: np.ndarray, hi: np.ndarray, weights: np.ndarray,
+                  num_queries: int) -> np.ndarray:
+    """int64 [num_queries]: for each query, the sum of ``weights`` (integers) over the rank ranges
+    ``lo[i]..hi[i]-1`` (int64, :func:`query_ranges`) that hold its rank; ``order`` ranks the
+    queries (None: by id)."""
+    # (float64 sums of small integers are exact; numpy's integer prefix sum is several times
+    # faster than its float one)
+    step = (np.bincount(lo, weights, num_queries + 1) - np.bincount(hi, weights, num_queries + 1)).astype(np.int64)
+    by_rank = step.cumsum()[:-1]
+    if order is None:
+        return by_rank
+    out = np.empty_like(by_rank)
+    out[order] = by_rank
+    return out
 
 
 def queries_at_nodes(tree: DecodingTree) -> np.ndarray:

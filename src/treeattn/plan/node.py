@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, queries_at_nodes
+from treeattn.plan.items import WorkItems, queries_at_nodes, query_ranges, range_weights
 from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
@@ -35,8 +35,11 @@ def _node_items(tree: DecodingTree) -> WorkItems:
     q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
     np.bincount(node, minlength=tree.num_nodes)[nodes].cumsum(out=q_indptr[1:])
     seg_hi = extent[nodes]
-    return _NodeItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
-                      visible).with_item_len(seg_hi)
+    items = _NodeItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
+                       visible).with_item_len(seg_hi)
+    order, lo, hi = query_ranges(tree)
+    items.__dict__["_ranges"] = (order, lo[nodes], hi[nodes], tree.num_queries)  # (frozen dataclass)
+    return items
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,17 @@ class _NodeItems(WorkItems):
         # is in x's subtree: all sit at x iff as many are at x and see a token of it
         nq = self.item_queries
         return (nq > 0) & (queries_at_nodes(tree)[self.seg_node] == nq)
+
+    # a node's item holds every query of its subtree (each sees a token of it): a range of the
+    # queries in depth-first order, so a query's merge rows and weights need no (item, query) pairs
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        order, lo, hi, num_queries = self._ranges
+        return range_weights(order, lo, hi, per_item, num_queries)
 
 
 def _plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:

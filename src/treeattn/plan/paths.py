@@ -20,7 +20,8 @@ import numpy as np
 
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags
+from treeattn.plan.items import (DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags,
+                                 query_ranges)
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
 from treeattn.plan.split import fill_length, split_long_items
@@ -201,11 +202,9 @@ def _query_ranges(tree: DecodingTree) -> tuple:
     ranks ``lo..hi-1`` in that order of the queries of its subtree (made once per tree)."""
     got = tree.derived.get("paths_query_ranges")
     if got is None:
-        topo = tree.topology
-        q_tin = topo.tin[tree.effective_queries[0]]
-        order = np.argsort(q_tin, kind="stable")
-        sorted_tin = q_tin[order]
-        lo, hi = np.searchsorted(sorted_tin, topo.tin), np.searchsorted(sorted_tin, topo.tout)
+        order, lo, hi = query_ranges(tree)
+        if order is None:
+            order = np.arange(tree.num_queries)
         got = tree.derived["paths_query_ranges"] = (order, np.flatnonzero((hi > lo) & (tree.lengths > 0)), lo, hi)
     return got
 
