@@ -16,7 +16,7 @@ import numpy as np
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "DeferredItems", "concat_items", "glued_items", "group_order", "items_from_groups",
+__all__ = ["WorkItems", "DeferredItems", "RangeItems", "concat_items", "glued_items", "group_order", "items_from_groups",
            "masked_flags"]
 
 
@@ -256,6 +256,26 @@ class DeferredItems(WorkItems):
     def made(self) -> WorkItems:
         """The items as plain :class:`WorkItems`."""
         return self._make().with_item_len(self.item_len)
+
+
+class RangeItems(DeferredItems):
+    """Deferred items (:class:`DeferredItems`) whose queries are each a range of the queries in
+    depth-first order: item ``i`` those of ranks ``lo[i]..hi[i]-1`` (:func:`query_ranges`;
+    ``order`` ranks ``num_queries`` queries, None: by id), so a query's merge rows and weights
+    need no (item, query) pairs."""
+
+    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, order: np.ndarray | None,
+                 lo: np.ndarray, hi: np.ndarray, num_queries: int):
+        super().__init__(item_len, item_queries, make)
+        self.__dict__["_ranges"] = (order, lo, hi, num_queries)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        order, lo, hi, num_queries = self._ranges
+        return range_weights(order, lo, hi, per_item, num_queries)
 
 
 def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = None) -> WorkItems:
