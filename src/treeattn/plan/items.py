@@ -262,11 +262,11 @@ class RangeItems(DeferredItems):
     """Deferred items (:class:`DeferredItems`) whose queries are each a range of the queries in
     depth-first order: item ``i`` those of ranks ``lo[i]..hi[i]-1`` (:func:`query_ranges`;
     ``order`` ranks ``num_queries`` queries, None: by id), so a query's merge rows and weights
-    need no (item, query) pairs."""
+    need no (item, query) pairs. ``single_nodes``: as :class:`DeferredItems`'."""
 
     def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, order: np.ndarray | None,
-                 lo: np.ndarray, hi: np.ndarray, num_queries: int):
-        super().__init__(item_len, item_queries, make)
+                 lo: np.ndarray, hi: np.ndarray, num_queries: int, single_nodes: np.ndarray | None = None):
+        super().__init__(item_len, item_queries, make, single_nodes=single_nodes)
         self.__dict__["_ranges"] = (order, lo, hi, num_queries)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
