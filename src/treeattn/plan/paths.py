@@ -166,13 +166,12 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
     # its later ones; its lead, the nodes over all its queries, is the fewest tokens two
     # consecutive queries of it share (the shallowest of their lowest common ancestors)
     first = np.arange(0, nq, per_tile)
-    last = np.append(first[1:], nq) - 1
+    last = np.minimum(first + per_tile, nq) - 1
     item_len = cover[first] + started[last] - started[first]
     common = shared.copy()
     common[first] = cover[first]
     lead = np.minimum.reduceat(common, first)
-    q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
-    q_counts[-1] = nq - (num_tiles - 1) * per_tile
+    q_counts = last + 1 - first
     q_item, q_query = rank // per_tile, None  # (a query is in one tile)
     masked = lead < item_len
     if own is not None and own.any():  # (as concat_items lays them out)
