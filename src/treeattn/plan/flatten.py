@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import (DeferredItems, RangeItems, WorkItems, _indptr, _same, _segment_sum, items_from_groups,
-                                 query_ranges)
+from treeattn.plan.items import DeferredItems, RangeItems, WorkItems, _indptr, _same, _segment_sum, items_from_groups
 from treeattn.plan.paths import _whole_paths
 from treeattn.plan.plan import HeadConfig
+from treeattn.plan.query_ranges import query_ranges
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
@@ -103,7 +103,7 @@ def _block_pairs(tree: DecodingTree, block: int) -> tuple:
 
 def _block_query_ranges(tree: DecodingTree, block: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     """int64 [n_blocks] ``(lo, hi)``: each block's queries are the ranks ``lo..hi-1`` in depth-first
-    order (:func:`~treeattn.plan.items.query_ranges`), for a tree whose every token is seen and
+    order (:func:`~treeattn.plan.query_ranges.query_ranges`), for a tree whose every token is seen and
     whose queries see each node of their paths whole.
 
     The nodes a block overlaps are a run of the pre-order; each one after the first is a child of

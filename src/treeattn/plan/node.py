@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import RangeItems, WorkItems, _indptr, queries_at_nodes, query_ranges
+from treeattn.plan.items import RangeItems, WorkItems, _indptr, queries_at_nodes
+from treeattn.plan.query_ranges import query_ranges
 from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree

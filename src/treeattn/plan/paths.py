@@ -20,10 +20,10 @@ import numpy as np
 
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import (DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags,
-                                 query_ranges)
+from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
+from treeattn.plan.query_ranges import query_ranges
 from treeattn.plan.split import fill_length, split_long_items
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
