@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, _segment_sum, items_from_groups
+from treeattn.plan.items import DeferredItems, RangeItems, WorkItems, _indptr, _same, _segment_sum, items_from_groups
+from treeattn.plan.paths import _whole_paths
 from treeattn.plan.plan import HeadConfig
+from treeattn.plan.query_ranges import query_ranges
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
@@ -37,8 +39,39 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
         hi = np.minimum((piece_block + 1) * block, piece_start + extent[piece_node]) - piece_start
         return piece_block, piece_node, lo, hi
 
-    # queries of each block: those whose visible part of some node overlaps it (and, made only
-    # when the items are read, the tokens of the block they see through that node)
+    note = f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"
+    if _same(extent, tree.lengths):  # every token is seen: whole blocks, but the last
+        made = None
+        item_len = np.full(n_blocks, block, dtype=np.int64)
+        if n_blocks:
+            item_len[-1] = total - (n_blocks - 1) * block
+        if _whole_paths(tree):
+            # a query sees a block iff it sees a node in it; a node's queries are a range of them
+            # in depth-first order, and so are a block's (lowest to highest), no pairs listed
+            q_lo, q_hi = _block_query_ranges(tree, block, n_blocks)
+
+            def make_whole() -> WorkItems:
+                q_block, q_query, q_tokens = _block_pairs(tree, block)
+                return items_from_groups(*pieces(), q_block, q_query, n_blocks, q_tokens=q_tokens())
+
+            return RangeItems(item_len, q_hi - q_lo, make_whole, query_ranges(tree)[0], q_lo, q_hi,
+                              tree.num_queries), note
+    else:
+        made = pieces()
+        item_len = _segment_sum(made[3] - made[2], _indptr(np.bincount(made[0], minlength=n_blocks)))
+    q_block, q_query, q_tokens = _block_pairs(tree, block)
+
+    def make() -> WorkItems:
+        return items_from_groups(*(made or pieces()), q_block, q_query, n_blocks, q_tokens=q_tokens())
+
+    return DeferredItems(item_len, np.bincount(q_block, minlength=n_blocks), make, q_block, q_query), note
+
+
+def _block_pairs(tree: DecodingTree, block: int) -> tuple:
+    """``(q_block, q_query, q_tokens)``: the (block, query) pairs where the query's visible part of
+    some node overlaps the block, by query then block, and ``q_tokens()`` the tokens of the block
+    each pair's query sees through that node."""
+    flat = tree.topology.flat_start
     q, node, visible = tree.visible_pairs
     pair_start = flat[node]
     pair_block = pair_start // block
@@ -55,25 +88,35 @@ def plan_flatten(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tupl
     np.not_equal(pair_block[1:], pair_block[:-1], out=new[1:])
     new[1:] |= pair_q[1:] != pair_q[:-1]
     new = np.flatnonzero(new)
-    q_block, q_query = pair_block[new], pair_q[new]
 
-    if _same(extent, tree.lengths):  # every token is seen: whole blocks, but the last
-        made = None
-        item_len = np.full(n_blocks, block, dtype=np.int64)
-        if n_blocks:
-            item_len[-1] = total - (n_blocks - 1) * block
-    else:
-        made = pieces()
-        item_len = _segment_sum(made[3] - made[2], _indptr(np.bincount(made[0], minlength=n_blocks)))
-
-    def make() -> WorkItems:
+    def q_tokens() -> np.ndarray:
         if span.any():
             starts = np.repeat(pair_start, span + 1)
             seen = (np.minimum(np.repeat(pair_start + visible, span + 1), (pair_block + 1) * block)
                     - np.maximum(starts, pair_block * block))
         else:
             seen = visible
-        return items_from_groups(*(made or pieces()), q_block, q_query, n_blocks, q_tokens=np.add.reduceat(seen, new))
+        return np.add.reduceat(seen, new)
 
-    items = DeferredItems(item_len, np.bincount(q_block, minlength=n_blocks), make, q_block, q_query)
-    return items, f"flatten: depth-first KV in {n_blocks} blocks of {block} tokens"
+    return pair_block[new], pair_q[new], q_tokens
+
+
+def _block_query_ranges(tree: DecodingTree, block: int, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [n_blocks] ``(lo, hi)``: each block's queries are the ranks ``lo..hi-1`` in depth-first
+    order (:func:`~treeattn.plan.query_ranges.query_ranges`), for a tree whose every token is seen and
+    whose queries see each node of their paths whole.
+
+    The nodes a block overlaps are a run of the pre-order; each one after the first is a child of
+    an earlier one, or starts the queries after those of the subtrees before it, so their ranges
+    join into one from the first node's start to the furthest end."""
+    _, node_lo, node_hi = query_ranges(tree)
+    nodes = tree.topology.order
+    nodes = nodes[tree.lengths[nodes] > 0]
+    start = tree.topology.flat_start[nodes]
+    block_start = np.arange(n_blocks) * block
+    # the nodes holding each block's first and last token
+    first = np.searchsorted(start, block_start, side="right") - 1
+    last = np.searchsorted(start, np.minimum(block_start + block, tree.num_tokens) - 1, side="right") - 1
+    hi = node_hi[nodes]
+    # (the maximum up to the next block's first node, which its last node is, or follows)
+    return node_lo[nodes[first]], np.maximum(np.maximum.reduceat(hi, first), hi[last])

@@ -141,7 +141,7 @@ def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
 def _plan_greedy(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
     glued, top = _edge_rounds(tree, tree.subtree_queries * heads.group, cost)
     items, note = spread_items(glued_items(tree, glued, top), heads, cost)
-    return items, f"greedy: {int(glued.sum())} edges assigned 1{note}"
+    return items, f"greedy: {np.count_nonzero(glued)} edges assigned 1{note}"
 
 
 plan_greedy = LeafPackingPlanner(_plan_greedy)

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from treeattn.plan.query_ranges import query_ranges, range_weights
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["WorkItems", "DeferredItems", "concat_items", "glued_items", "group_order", "items_from_groups",
+__all__ = ["WorkItems", "DeferredItems", "RangeItems", "concat_items", "glued_items", "group_order", "items_from_groups",
            "masked_flags"]
 
 
@@ -117,8 +118,8 @@ class WorkItems:
         return rows
 
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
-        """float64: for each query (up to the largest in an item), the sum of ``per_item`` (small
-        integers: exact) over the items it is in."""
+        """float64 (int64 for some subclasses): for each query (up to the largest in an item, or
+        all), the sum of ``per_item`` (small integers: exact) over the items it is in."""
         return np.bincount(self.q_indices, per_item.repeat(self.item_queries))
 
     def take(self, keep: np.ndarray) -> "WorkItems":
@@ -258,6 +259,26 @@ class DeferredItems(WorkItems):
         return self._make().with_item_len(self.item_len)
 
 
+class RangeItems(DeferredItems):
+    """Deferred items (:class:`DeferredItems`) whose queries are each a range of the queries in
+    depth-first order: item ``i`` those of ranks ``lo[i]..hi[i]-1`` (:func:`query_ranges`;
+    ``order`` ranks ``num_queries`` queries, None: by id), so a query's merge rows and weights
+    need no (item, query) pairs. ``single_nodes``: as :class:`DeferredItems`'."""
+
+    def __init__(self, item_len: np.ndarray, item_queries: np.ndarray, make, order: np.ndarray | None,
+                 lo: np.ndarray, hi: np.ndarray, num_queries: int, single_nodes: np.ndarray | None = None):
+        super().__init__(item_len, item_queries, make, single_nodes=single_nodes)
+        self.__dict__["_ranges"] = (order, lo, hi, num_queries)
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        order, lo, hi, num_queries = self._ranges
+        return range_weights(order, lo, hi, per_item, num_queries)
+
+
 def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = None) -> WorkItems:
     """Items of a tree whose edges are cut or glued (PAT's merge schemes, FastTree's binary edge
     assignment).
@@ -280,12 +301,20 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
     extent = tree.node_extent
     above = topo.path_tokens if _same(extent, tree.lengths) else _path_sums(topo, extent)
     item_len = above + extent - above[top]
-    # pairs by node: a pair's node is the bottom of a chain unless the next node on its query's
-    # path is glued to it; a query sees its items whole, but for the item ending at its own
-    # (effective) node, of which it sees the first ``visible`` tokens
-    q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
-    bottom = ~np.append(glued, False)[nxt]
-    b, q = node[bottom], q[bottom]
+    # item b holds the queries of b's subtree but those of its glued children's subtrees
+    sub = tree.subtree_queries
+    kids = np.flatnonzero(glued)
+    item_queries = sub.copy()
+    np.subtract.at(item_queries, parents[kids], sub[kids])
+
+    @functools.cache
+    def bottom_pairs() -> tuple:
+        # pairs by node: a pair's node is the bottom of a chain unless the next node on its
+        # query's path is glued to it; a query sees its items whole, but for the item ending at
+        # its own (effective) node, of which it sees the first ``visible`` tokens
+        q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
+        bottom = ~np.append(glued, False)[nxt]
+        return node[bottom], q[bottom], visible[bottom]
 
     def make() -> WorkItems:
         chain_len = topo.depth - topo.depth[top] + 1
@@ -301,23 +330,41 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
             chain[pos] = cur
             up = glued[cur]
             pos, cur = pos[up], cur[up]
-        q_tokens = (item_len - extent)[b] + visible[bottom]
-        return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(np.bincount(b, minlength=n)),
-                         q, q_tokens)
+        b, q, visible = bottom_pairs()
+        q_tokens = (item_len - extent)[b] + visible
+        return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(item_queries), q, q_tokens)
 
     # a chain of one node is one segment of it
-    return _ChainItems(item_len, np.bincount(b, minlength=n), make, b, q, np.where(top == ids, ids, -1))
+    items = _ChainItems(item_len, item_queries, make, single_nodes=np.where(top == ids, ids, -1))
+    items.__dict__.update(_bottom_pairs=bottom_pairs, _tree=tree, _glued=glued)
+    return items
 
 
 class _ChainItems(DeferredItems):
-    """:func:`glued_items`' items, item ``b`` the chain whose bottom is node ``b``; their leaf
-    items come from the tree's query counts."""
+    """:func:`glued_items`' items, item ``b`` the chain whose bottom is node ``b``: the queries of
+    b's subtree but those of its glued children's subtrees. Their leaf items come from the tree's
+    query counts, and a query's merge rows and weights from ranges of the queries in depth-first
+    order; the (item, query) pairs are listed only when asked for or made."""
 
     def leaf_items(self, tree: DecodingTree) -> np.ndarray:
         # every query at b that sees a token of b's own ends its path at b, so it is in item b:
         # all the item's queries sit at b iff as many as those
         nq = self.item_queries
         return (self._single_nodes >= 0) & (nq > 0) & (queries_at_nodes(tree) == nq)
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._bottom_pairs()[:2]
+
+    def merge_rows_max(self, used: np.ndarray) -> int:
+        rows = self.query_weights(used)
+        return int(rows.max()) if rows.size else 0
+
+    def query_weights(self, per_item: np.ndarray) -> np.ndarray:
+        # a glued child's range weighs its own item less its parent's
+        tree = self._tree
+        per_item = per_item.astype(np.int64)
+        order, lo, hi = query_ranges(tree)
+        return range_weights(order, lo, hi, per_item - self._glued * per_item[tree.parents], tree.num_queries)
 
 
 def queries_at_nodes(tree: DecodingTree) -> np.ndarray:

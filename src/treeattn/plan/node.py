@@ -5,12 +5,11 @@ once; the item count and sizes follow the tree, which balances poorly (DeFT Sec.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, queries_at_nodes
+from treeattn.plan.items import RangeItems, WorkItems, _indptr, queries_at_nodes
+from treeattn.plan.query_ranges import query_ranges
 from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
 from treeattn.tree import DecodingTree
@@ -26,28 +25,33 @@ def node_items(tree: DecodingTree) -> WorkItems:
 
 
 def _node_items(tree: DecodingTree) -> WorkItems:
-    q, node, _, visible = tree.pairs_by_node
-    seen = visible > 0  # (zero-length nodes have pairs but no visible tokens)
-    if not seen.all():
-        q, node, visible = q[seen], node[seen], visible[seen]
+    # a node's item holds every query of its subtree (each sees a token of it): a range of the
+    # queries in depth-first order, so the counts, merge rows and weights need no (item, query)
+    # pairs, which are listed only when the items are made
     extent = tree.node_extent
-    nodes = np.flatnonzero(extent > 0)  # exactly the nodes of the pairs left
-    q_indptr = np.zeros(nodes.size + 1, dtype=np.int64)
-    np.bincount(node, minlength=tree.num_nodes)[nodes].cumsum(out=q_indptr[1:])
+    nodes = np.flatnonzero(extent > 0)  # exactly the nodes some query sees a token of
+    order, lo, hi = query_ranges(tree)
+    lo, hi = lo[nodes], hi[nodes]
     seg_hi = extent[nodes]
-    return _NodeItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, q_indptr, q,
-                      visible).with_item_len(seg_hi)
+
+    def make() -> WorkItems:
+        q, node, _, visible = tree.pairs_by_node
+        seen = visible > 0  # (zero-length nodes have pairs but no visible tokens)
+        if not seen.all():
+            q, visible = q[seen], visible[seen]
+        return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, _indptr(hi - lo), q, visible)
+
+    return _NodeItems(seg_hi, hi - lo, make, order, lo, hi, tree.num_queries, single_nodes=nodes)
 
 
-@dataclass(frozen=True)
-class _NodeItems(WorkItems):
+class _NodeItems(RangeItems):
     """:func:`node_items`' items, whose leaf items come from the tree's query counts."""
 
     def leaf_items(self, tree: DecodingTree) -> np.ndarray:
         # node x's item holds the queries whose effective node (DecodingTree.effective_queries)
         # is in x's subtree: all sit at x iff as many are at x and see a token of it
         nq = self.item_queries
-        return (nq > 0) & (queries_at_nodes(tree)[self.seg_node] == nq)
+        return (nq > 0) & (queries_at_nodes(tree)[self._single_nodes] == nq)
 
 
 def _plan_node(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:

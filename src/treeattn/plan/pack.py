@@ -37,5 +37,5 @@ def plan_pack(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[W
     # (the ceiling of the mean in integers: the float mean's below 2**53 tokens)
     mean = -(-int(length[used].sum()) // count) if count else 1
     items = split_long_items(items, max(mean, 16))
-    return items, (f"pack: {int(glued.sum())} of {int((tree.parents >= 0).sum())} edges merged "
+    return items, (f"pack: {np.count_nonzero(glued)} of {np.count_nonzero(tree.parents >= 0)} edges merged "
                    f"by the profit model; items split above the mean ({mean} tokens)")

@@ -23,6 +23,7 @@ from treeattn.plan.cost import CostModel
 from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
+from treeattn.plan.query_ranges import query_ranges
 from treeattn.plan.split import fill_length, split_long_items
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
@@ -165,13 +166,12 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
     # its later ones; its lead, the nodes over all its queries, is the fewest tokens two
     # consecutive queries of it share (the shallowest of their lowest common ancestors)
     first = np.arange(0, nq, per_tile)
-    last = np.append(first[1:], nq) - 1
+    last = np.minimum(first + per_tile, nq) - 1
     item_len = cover[first] + started[last] - started[first]
     common = shared.copy()
     common[first] = cover[first]
     lead = np.minimum.reduceat(common, first)
-    q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
-    q_counts[-1] = nq - (num_tiles - 1) * per_tile
+    q_counts = last + 1 - first
     q_item, q_query = rank // per_tile, None  # (a query is in one tile)
     masked = lead < item_len
     if own is not None and own.any():  # (as concat_items lays them out)
@@ -201,11 +201,9 @@ def _query_ranges(tree: DecodingTree) -> tuple:
     ranks ``lo..hi-1`` in that order of the queries of its subtree (made once per tree)."""
     got = tree.derived.get("paths_query_ranges")
     if got is None:
-        topo = tree.topology
-        q_tin = topo.tin[tree.effective_queries[0]]
-        order = np.argsort(q_tin, kind="stable")
-        sorted_tin = q_tin[order]
-        lo, hi = np.searchsorted(sorted_tin, topo.tin), np.searchsorted(sorted_tin, topo.tout)
+        order, lo, hi = query_ranges(tree)
+        if order is None:
+            order = np.arange(tree.num_queries)
         got = tree.derived["paths_query_ranges"] = (order, np.flatnonzero((hi > lo) & (tree.lengths > 0)), lo, hi)
     return got
 
