@@ -155,7 +155,8 @@ def _split_plans(tree: DecodingTree, heads: HeadConfig, cost: CostModel, max_len
     wide tiles (split tail) where every unit of theirs is one run of slots."""
     from treeattn.plan import build_plan
     from treeattn.plan.addressing import TILE_TALL_CONTIG, TILE_TALL_TMA, unit_runs
-    from treeattn.plan.paths import cut_at_leads, deferred_path_tiles, run_leads
+    from treeattn.plan.leads import cut_at_leads, run_leads
+    from treeattn.plan.paths import deferred_path_tiles
     from treeattn.plan.split import split_long_items
     items = deferred_path_tiles(tree, heads, 128)
     if max_len is not None:

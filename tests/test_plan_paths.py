@@ -1,7 +1,7 @@
-"""``paths`` (plan/paths.py): query tiles reading the union of their queries' paths. Every variant
-covers each query's visible tokens exactly once, the sizes the cost model reads without making the
-segments equal the made ones, the mask lead is the builder's mask start, and the kernels (the
-interpreter on CPU) match a float64 reference for whole, split and apart variants."""
+"""``paths`` (plan/paths.py, plan/leads.py): query tiles reading the union of their queries' paths.
+Every variant covers each query's visible tokens exactly once, the sizes the cost model reads
+without making the segments equal the made ones, the mask lead is the builder's mask start, and the
+kernels (the interpreter on CPU) match a float64 reference for whole, split and apart variants."""
 import dataclasses
 
 import numpy as np
@@ -11,20 +11,17 @@ import torch
 from helpers import expected_coverage, paged_case, planned_coverage, random_tree, rel_l2
 from treeattn import DecodingTree, TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
+from treeattn.plan.addressing import unit_runs
 from treeattn.plan.auto import estimate_items
+from treeattn.plan.leads import _run_tokens, cut_at_leads, run_leads, trunk_tokens
 from treeattn.plan.paths import (
     OWN_ITEM_TOKENS,
     _pair_path_tiles,
     _whole_path_tiles,
-    cut_at_leads,
     deferred_path_tiles,
     path_tiles,
-    _run_tokens,
     paths_variants,
-    run_leads,
-    trunk_tokens,
 )
-from treeattn.plan.addressing import unit_runs
 from treeattn.reference import reference_attention
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
