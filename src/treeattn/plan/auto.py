@@ -40,12 +40,15 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     length = np.concatenate([it.item_len for it in unique])
     nq = np.concatenate([it.item_queries for it in unique])
     used = (length > 0) & (nq > 0)
-    rows = nq * used
-    # per set: (item, query) pairs and tokens over the used items
-    sums = np.zeros((2, length.size + 1), dtype=np.int64)
-    rows.cumsum(out=sums[0, 1:])
-    (rows * length).cumsum(out=sums[1, 1:])
-    pairs_at, tokens_at = sums[:, bounds].tolist()
+    # per set: (item, query) pairs and tokens over the used items (an unused item adds no
+    # tokens: its length or queries are 0), summed over the runs of the sets with items
+    pairs_of, tokens_of = [0] * len(unique), [0] * len(unique)
+    filled = [i for i, n in enumerate(sizes) if n]
+    if filled:
+        starts = [bounds[i] for i in filled]
+        for i, p, t in zip(filled, np.add.reduceat(nq * used, starts).tolist(),
+                           np.add.reduceat(nq * length, starts).tolist()):
+            pairs_of[i], tokens_of[i] = p, t
     flagged = lead = None
     if any(it.masked is not None for it in unique):
         flagged = np.zeros(length.size, dtype=bool)
@@ -63,7 +66,7 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     sets = []
     for i, it in enumerate(unique):
         a, b = bounds[i], bounds[i + 1]
-        pairs, tokens = pairs_at[i + 1] - pairs_at[i], tokens_at[i + 1] - tokens_at[i]
+        pairs, tokens = pairs_of[i], tokens_of[i]
         # every visible token of a query is in exactly one of its items, so the items hold more
         # (item, query) tokens than the queries see iff some query sees only part of an item: the
         # plan needs the tree mask
