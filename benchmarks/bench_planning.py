@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -102,6 +104,26 @@ def bench_tree(spec: str, repeats: int, strategies=STRATEGIES) -> dict:
     return row
 
 
+def host_provenance() -> dict:
+    """The host's CPU model, library versions and the planning code's commit (``TREEATTN_COMMIT``
+    overrides ``git``: the code may come from another checkout on ``PYTHONPATH``)."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    commit = os.environ.get("TREEATTN_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"cpu": cpu, "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+            "commit": commit}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", default=list(DEFAULT_TREES), help="kernel-suite specs")
@@ -124,7 +146,7 @@ def main(argv=None) -> None:
         print(f"{'':44s} auto chose {r['chosen']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"unit": "ms (median; *_cpu_min_ms: minimum)", "repeats": args.repeats, "heads": {k: str(v) for k, v in HEADS.items()},
+            json.dump({**host_provenance(), "unit": "ms (median; *_cpu_min_ms: minimum)", "repeats": args.repeats, "heads": {k: str(v) for k, v in HEADS.items()},
                        "trees": rows}, f, indent=1)
 
 
