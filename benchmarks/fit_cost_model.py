@@ -32,7 +32,7 @@ import numpy as np
 
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan
 from treeattn.plan.auto import _kernels, estimate_items
-from treeattn.plan.cost import launches_by_group
+from treeattn.plan.launches import launches_by_group
 from treeattn.workloads import tree_from_spec
 
 HERE = Path(__file__).resolve().parent

@@ -10,7 +10,7 @@ from helpers import random_tree
 from treeattn import TreeAttention
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan, make_plan
 from treeattn.plan.auto import estimate_items, plan_auto
-from treeattn.plan.cost import launch_features
+from treeattn.plan.launches import launch_features
 from treeattn.workloads import tree_from_medusa, tree_from_spec
 
 H200_HEADS = HeadConfig(32, 8, 128, torch.float16)

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeattn.plan.launches import LaunchSlots, _launches_many, launch_features, launch_slots, launches_by_group
+from treeattn.plan.launches import LaunchSlots, _launches_many
 from treeattn.plan.plan import HeadConfig
 
-# (the launch functions are re-exported: they lived here)
-__all__ = ["CostModel", "LaunchSlots", "launch_features", "launch_slots", "launches_by_group"]
+__all__ = ["CostModel"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -150,11 +149,11 @@ class CostModel:
         """Seconds of one run, by part: ``attention``, ``merge``, ``total`` (and ``launches``,
         ``masked``, ``tall_first``).
 
-        Attention, per launch (:func:`launch_features`): a KV tile costs an SM
-        ``tile bytes / sm_bandwidth + tile FLOPs / sm_flops`` and a program ``program_overhead_s``
-        more; the launch's SM time is spread over ``num_sms`` SMs, softly no less than its longest
-        program on its own (``program_bandwidth``, ``program_flops``), plus
-        ``launch_overhead_s``. Launches are modelled one after another (under a CUDA graph they
+        Attention, per launch (:func:`~treeattn.plan.launches.launch_features`): a KV tile costs
+        an SM ``tile bytes / sm_bandwidth + tile FLOPs / sm_flops`` and a program
+        ``program_overhead_s`` more; the launch's SM time is spread over ``num_sms`` SMs, softly
+        no less than its longest program on its own (``program_bandwidth``, ``program_flops``),
+        plus ``launch_overhead_s``. Launches are modelled one after another (under a CUDA graph they
         overlap on side streams; the fitted constants absorb it, and a model that adds their SM
         times fitted worse: benchmarks/NOTES.md), except when the plan runs its tallest launch
         first (:meth:`tall_first`): then their SM times add up, softly no less than the longest
@@ -194,8 +193,8 @@ class CostModel:
     def total(self, kv_tokens: int, rows: int, merge_rows_max: int, num_queries: int | None, masked: bool,
               per_item: bool, launches: list, heads: HeadConfig) -> dict:
         """:meth:`breakdown` of items with ``kv_tokens`` unique tokens, ``rows`` (item, query) pairs
-        and these launches (:func:`launches_by_group`): every launch is masked when ``masked``, or
-        those flagged when ``per_item``."""
+        and these launches (:func:`~treeattn.plan.launches.launches_by_group`): every launch is
+        masked when ``masked``, or those flagged when ``per_item``."""
         cols = [np.array(c) for c in zip(*launches)] if launches else [np.zeros(0, dtype=np.int64)] * 7
         block_m, block_n, programs, work, longest, flags, masked_work = cols
         slots = LaunchSlots(block_m, block_n, *(a.reshape(1, -1) for a in (programs, work, longest, flags.astype(bool),
@@ -206,8 +205,8 @@ class CostModel:
     def totals(self, sets: list, slots: LaunchSlots, heads: HeadConfig) -> list:
         """:meth:`total` of several item sets: ``sets`` holds each one's ``(kv_tokens, rows,
         merge_rows_max, num_queries, masked, per_item)`` and ``slots`` their launches, a row per
-        set (:func:`launch_slots`). Each launch's SM time and longest program are found for all
-        sets at once (the same float operations as one at a time)."""
+        set (:func:`~treeattn.plan.launches.launch_slots`). Each launch's SM time and longest
+        program are found for all sets at once (the same float operations as one at a time)."""
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent

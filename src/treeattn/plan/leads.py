@@ -14,7 +14,8 @@ from treeattn.plan.items import DeferredItems, WorkItems, _indptr
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["LEAD_CHUNKS", "RUN_LEAD_SLACK", "cut_at_leads", "run_leads", "splittable_lengths", "trunk_leads", "trunk_tokens"]
+__all__ = ["LEAD_CHUNKS", "RUN_LEAD_SLACK", "cut_at_leads", "run_leads", "splittable_lengths", "trunk_leads",
+           "trunk_tokens"]
 
 #: a trunk lead keeps only its run of consecutive KV slots where at most this many of its last
 #: tokens lie elsewhere (:func:`run_leads`: a token tree's shared first drafts)
