@@ -31,7 +31,8 @@ HEADS = (HeadConfig(8, 8, 64, torch.float16), HeadConfig(8, 2, 64, torch.float16
 def trees(rng):
     return [tree_from_spec("1,2,4,8,32_40,16,8,8,4"), tree_from_spec("2,8,16_24,12,5"),
             tree_from_spec("1,4,16_300,9,70"), tree_from_medusa(32, context_len=45),
-            random_tree(rng, 40, 30, roots=2), random_tree(rng, 30, 20, roots=1, inner_queries=True)]
+            random_tree(rng, 40, 30, roots=2), random_tree(rng, 30, 20, roots=1, inner_queries=True),
+            _scratch_medusa(64, 300, 512)]  # (trunk leads ending off their run of slots: run_leads)
 
 
 def _apart(tree, heads, rows):
@@ -50,12 +51,13 @@ def test_every_variant_covers_each_visible_token_once(rng, heads):
 @pytest.mark.parametrize("rows", [16, 32, 64, 128])
 def test_deferred_sizes_equal_the_made_tiles(rng, rows):
     """What the cost model reads (lengths, queries, mask flags and leads, merge rows, per-query
-    weights) is the same without the segments, and after cutting the tiles at their leads."""
+    weights) is the same without the segments, and after cutting the tiles at their leads (or
+    their runs of slots, :func:`run_leads`)."""
     heads = HeadConfig(16, 2, 64)
     for tree in trees(rng):
         for own in (None, _apart(tree, heads, rows)):
             made = path_tiles(tree, heads, rows, own)
-            cut = cut_at_leads(made)[0]
+            cut = cut_at_leads(made, run_leads(tree, made))[0]
             for fast, exact in ((deferred_path_tiles(tree, heads, rows, own), made), (cut, cut.made)):
                 for field in ("item_len", "item_queries"):
                     assert np.array_equal(getattr(fast, field), getattr(exact, field)), field
