@@ -1,6 +1,6 @@
 """Affine addresses for the context chunks of Medusa trees' plans, as the engine plans them.
 
-With the token tree's shared first drafts cut off the tiles' leads (``paths.run_leads``), every
+With the token tree's shared first drafts cut off the tiles' leads (``plan.leads.run_leads``), every
 unit of the unmasked launch over the context chunks reads one run of slots. At t=256 that launch
 (128-row tiles) then takes affine addresses (``contig_launches``: TILE_TALL_CONTIG); at t=64 / 128
 its 64-row tiles keep gathered slots beyond one wave of programs (a rule measured on the kernel
