@@ -13,7 +13,7 @@ from treeattn import DecodingTree, TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
 from treeattn.plan.addressing import unit_runs
 from treeattn.plan.auto import estimate_items
-from treeattn.plan.leads import _run_tokens, cut_at_leads, run_leads, trunk_tokens
+from treeattn.plan.leads import cut_at_leads, run_leads, run_tokens, trunk_tokens
 from treeattn.plan.paths import (
     OWN_ITEM_TOKENS,
     _pair_path_tiles,
@@ -170,10 +170,10 @@ def test_run_tokens():
     # elsewhere; child 4 of 1 has a break inside
     tree = DecodingTree.from_parents([-1, 0, 0, 1, 1], [4, 2, 3, 1, 3], query_nodes=[2, 3, 4],
                                      kv_indices=[10, 11, 12, 13, 14, 15, 30, 31, 32, 16, 17, 18, 40])
-    assert _run_tokens(tree).tolist() == [4, 6, 4, 7, 6]
+    assert run_tokens(tree).tolist() == [4, 6, 4, 7, 6]
     # a forest: each root path's run from its own first slot
     forest = DecodingTree.from_parents([-1, -1, 1], [2, 2, 2], query_nodes=[0, 2], kv_indices=[5, 6, 0, 1, 2, 3])
-    assert _run_tokens(forest).tolist() == [2, 2, 4]
+    assert run_tokens(forest).tolist() == [2, 2, 4]
 
 
 def _scratch_medusa(size: int, ctx: int, scratch: int) -> DecodingTree:

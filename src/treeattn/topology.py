@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Topology", "Structure", "ancestor_table", "build_topology", "children_of", "ranges", "root_paths"]
+__all__ = ["Topology", "Structure", "ancestor_table", "build_topology", "children_of", "ranges", "root_paths", "slot_breaks"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,13 @@ class Structure:
 def children_of(nodes: np.ndarray, indptr: np.ndarray, indices: np.ndarray) -> np.ndarray:
     starts, ends = indptr[nodes], indptr[nodes + 1]
     return indices[ranges(starts, ends)]
+
+
+def slot_breaks(kv_slots: np.ndarray) -> np.ndarray:
+    """int64: the entries ``i >= 1`` of a slot list whose slot does not follow the one before
+    (``kv_slots[i] != kv_slots[i - 1] + 1``): where its runs of consecutive slots start (few where
+    the pool's pages are in order)."""
+    return np.flatnonzero(kv_slots[1:] - kv_slots[:-1] != 1) + 1
 
 
 #: Mean range length from which :func:`ranges` repeats offsets instead of summing steps.

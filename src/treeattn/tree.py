@@ -29,6 +29,7 @@ from treeattn.topology import (
     build_topology,
     ranges,
     root_paths,
+    slot_breaks,
 )
 
 __all__ = ["DecodingTree", "Topology"]
@@ -261,7 +262,7 @@ class DecodingTree:
         # a node's pairs are those of a range of query ids, its own queries first, then those
         # below each child in turn (children in id order are in pre-order), so all four arrays
         # are runs, made without a sort or a gather per pair
-        lo, hi, own = self._queries_below
+        lo, hi, own = self.queries_below
         below = hi - lo
         ids = np.arange(self.num_nodes)
         kids = topo.child_indices
@@ -295,18 +296,18 @@ class DecodingTree:
         # a node is read whole when some query's effective node lies strictly below it, else up
         # to the longest prefix of the queries whose effective node it is (fewer than the pairs)
         node, prefix = self.effective_queries
-        extent = np.where(self.subtree_queries > self._queries_below[2], self.lengths, 0)
+        extent = np.where(self.subtree_queries > self.queries_below[2], self.lengths, 0)
         np.maximum.at(extent, node, prefix)
         return extent
 
     @functools.cached_property
     def subtree_queries(self) -> np.ndarray:
         """int64 [N]: queries whose visible KV ends in each node's subtree."""
-        lo, hi, _ = self._queries_below
+        lo, hi, _ = self.queries_below
         return hi - lo
 
     @functools.cached_property
-    def _queries_below(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def queries_below(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """int64 [N] ``(lo, hi, own)``: the queries whose effective node lies in each node's
         subtree are those at ``[lo, hi)`` of the queries in (stable) pre-order of their effective
         nodes, the first ``own`` of them at the node itself."""
@@ -321,8 +322,7 @@ class DecodingTree:
         """int64: the positions ``i >= 1`` of :attr:`kv_indices` whose slot does not follow the
         one before (``kv_indices[i] != kv_indices[i - 1] + 1``): where the tree's runs of
         consecutive slots start (none where its tokens lie in order in the pool)."""
-        kv = self.kv_indices
-        return np.flatnonzero(kv[1:] - kv[:-1] != 1) + 1
+        return slot_breaks(self.kv_indices)
 
     @functools.cached_property
     def derived(self) -> dict:

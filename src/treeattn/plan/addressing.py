@@ -10,8 +10,10 @@ import dataclasses
 
 import numpy as np
 
+from treeattn.topology import slot_breaks
+
 __all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
-           "runs_between", "slot_breaks", "split_tails", "tma_launches", "tma_loads", "unit_runs"]
+           "runs_between", "split_tails", "tma_launches", "tma_loads", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
@@ -33,12 +35,6 @@ SPLIT_TAIL_ROWS = 64
 SPLIT_TAIL_TILES = 32
 
 
-def slot_breaks(kv_slots: np.ndarray) -> np.ndarray:
-    """int64: the entries ``i >= 1`` of a slot list whose slot does not follow the one before
-    (``kv_slots[i] != kv_slots[i - 1] + 1``; few where the pool's pages are in order)."""
-    return np.flatnonzero(kv_slots[1:] - kv_slots[:-1] != 1) + 1
-
-
 def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
     """bool [W]: work unit ``w`` reads consecutive slots (``kv_slots[s + i] == kv_slots[s] + i``
     over its range ``[s, e)``; empty units count as runs)."""
@@ -46,7 +42,7 @@ def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.n
 
 
 def runs_between(breaks: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
-    """:func:`unit_runs` from the slot list's :func:`slot_breaks` (sorted): a unit is a run when
+    """:func:`unit_runs` from the slot list's :func:`~treeattn.topology.slot_breaks` (sorted): a unit is a run when
     none lies in ``(s, e)``."""
     if breaks.size == 0:
         return np.ones(work_kv_start.size, dtype=bool)

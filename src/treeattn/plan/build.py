@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.addressing import contig_launches, runs_between, slot_breaks, split_tails, tma_launches, tma_loads
+from treeattn.plan.addressing import contig_launches, runs_between, split_tails, tma_launches, tma_loads
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.plan import (
@@ -23,7 +23,7 @@ from treeattn.plan.plan import (
     _block_m_choices,
     unit_mask_terms,
 )
-from treeattn.topology import ranges
+from treeattn.topology import ranges, slot_breaks
 from treeattn.tree import DecodingTree
 
 __all__ = ["build_plan", "mask_rows"]
@@ -88,7 +88,7 @@ def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
                entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The KV slot list of segments of ``count`` entries from ``tree.kv_indices[start]`` on, the
     segment's first entry at ``entry``: int32 the slots, concatenated, and int64 their
-    :func:`~treeattn.plan.addressing.slot_breaks`."""
+    :func:`~treeattn.topology.slot_breaks`."""
     if not count.all():
         nonempty = np.flatnonzero(count)
         start, count, entry = start[nonempty], count[nonempty], entry[nonempty]

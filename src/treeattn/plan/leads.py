@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from treeattn.plan.addressing import runs_between
 from treeattn.plan.items import DeferredItems, WorkItems, _indptr
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["LEAD_CHUNKS", "RUN_LEAD_SLACK", "cut_at_leads", "run_leads", "splittable_lengths", "trunk_leads",
-           "trunk_tokens"]
+__all__ = ["LEAD_CHUNKS", "RUN_LEAD_SLACK", "cut_at_leads", "run_leads", "run_tokens", "splittable_lengths",
+           "trunk_leads", "trunk_tokens"]
 
 #: a trunk lead keeps only its run of consecutive KV slots where at most this many of its last
 #: tokens lie elsewhere (:func:`run_leads`: a token tree's shared first drafts)
@@ -109,48 +110,46 @@ def run_leads(tree: DecodingTree, items: WorkItems) -> np.ndarray | None:
     first = np.full(items.num_items, -1, dtype=np.int64)
     first[q_item[::-1]] = q_query[::-1]  # (each item's first query: the last write wins)
     has = (lead > 0) & items.masked & (first >= 0)
-    run = np.minimum(lead, _run_tokens(tree)[tree.effective_queries[0][np.maximum(first, 0)]])
+    run = np.minimum(lead, run_tokens(tree)[tree.effective_queries[0][np.maximum(first, 0)]])
     moved = has & (run > 0) & (run < lead) & (lead - run <= RUN_LEAD_SLACK)
     return np.where(moved, run, lead) if moved.any() else None
 
 
-def _run_tokens(tree: DecodingTree) -> np.ndarray:
+def run_tokens(tree: DecodingTree) -> np.ndarray:
     """int64 [nodes]: how many of the tokens on each node's root path (its ancestors' and its own)
     lie in one run of consecutive KV slots from the path's first token, counted in whole nodes
     (made once per tree)."""
-    got = tree.derived.get("paths_run_tokens")
-    if got is not None:
-        return got
+    got = tree.derived.get("run_tokens")
+    if got is None:
+        got = tree.derived["run_tokens"] = _run_tokens(tree)
+    return got
+
+
+def _run_tokens(tree: DecodingTree) -> np.ndarray:
     topo, length, kv = tree.topology, tree.lengths, tree.kv_indices
     above = topo.path_tokens
     full = above + length
     if kv.size == 0:
-        tree.derived["paths_run_tokens"] = full
         return full
-    start, end = tree.kv_indptr[:-1], tree.kv_indptr[1:]
+    start = tree.kv_indptr[:-1]
     nonempty = length > 0
-    # breaks between consecutive entries of the flat slot list, counted up to each entry
-    breaks = np.concatenate(([0], np.cumsum(kv[1:] != kv[:-1] + 1)))
-    inner = np.where(nonempty, breaks[np.maximum(end - 1, 0)] - breaks[np.minimum(start, kv.size - 1)], 0)
-    # a node continues its path's run when its first slot is the path's first slot plus the tokens
-    # above it: the same offset as the path's head (its topmost node with tokens)
+    # a node continues its path's run when its own slots are one run and its first slot is the
+    # path's first slot plus the tokens above it: the same offset as the path's head (its topmost
+    # node with tokens)
     offset = kv[np.minimum(start, kv.size - 1)] - above
     head = np.flatnonzero(nonempty & (above == 0))
     head = head[np.argsort(topo.tin[head])]  # (their subtrees are disjoint)
     at = np.maximum(np.searchsorted(topo.tin[head], topo.tin, side="right") - 1, 0)
-    bad = nonempty & ((inner > 0) | (offset != offset[head[at]]))
-    # each node's run ends at its topmost bad ancestor-or-self (the outermost bad subtrees)
-    bad = np.flatnonzero(bad)
+    inner_run = runs_between(tree.slot_breaks, start, tree.kv_indptr[1:])
+    bad = np.flatnonzero(nonempty & (~inner_run | (offset != offset[head[at]])))
     if bad.size == 0:
-        tree.derived["paths_run_tokens"] = full
         return full
+    # each node's run ends at its topmost bad ancestor-or-self (the outermost bad subtrees)
     bad = bad[np.argsort(topo.tin[bad])]
-    tout = topo.tout[bad]
-    outer = bad[topo.tin[bad] >= np.concatenate(([0], np.maximum.accumulate(tout)[:-1]))]
-    j = np.searchsorted(topo.tin[outer], topo.tin, side="right") - 1
-    inside = (j >= 0) & (topo.tin < topo.tout[outer[np.maximum(j, 0)]])
-    got = tree.derived["paths_run_tokens"] = np.where(inside, above[outer[np.maximum(j, 0)]], full)
-    return got
+    outer = bad[topo.tin[bad] >= np.concatenate(([0], np.maximum.accumulate(topo.tout[bad])[:-1]))]
+    j = np.maximum(np.searchsorted(topo.tin[outer], topo.tin, side="right") - 1, 0)
+    inside = (topo.tin >= topo.tin[outer[j]]) & (topo.tin < topo.tout[outer[j]])
+    return np.where(inside, above[outer[j]], full)
 
 
 def trunk_tokens(tree: DecodingTree) -> int:

@@ -17,7 +17,7 @@ def query_ranges(tree: DecodingTree) -> tuple[np.ndarray | None, np.ndarray, np.
     if got is None:
         q_tin = tree.topology.tin[tree.effective_queries[0]]
         order = None if (q_tin[1:] >= q_tin[:-1]).all() else np.argsort(q_tin, kind="stable")
-        lo, hi, _ = tree._queries_below
+        lo, hi, _ = tree.queries_below
         got = tree.derived["query_ranges"] = (order, lo, hi)
     return got
 
