@@ -14,6 +14,7 @@ from treeattn import DecodingTree, KVPool
 from treeattn.plan import Plan
 from treeattn.reference import visibility_mask
 from treeattn.topology import ranges
+from treeattn.workloads import tree_from_medusa
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 
@@ -149,3 +150,13 @@ def paged_case(tree, hq: int, hkv: int, head_dim: int, rng, page_size: int = 4):
     paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
     o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
     return q, paged, kc, vc, o_ref
+
+
+def scratch_medusa(size: int, ctx: int, scratch: int) -> DecodingTree:
+    """A Medusa tree over a ``ctx``-token context in slots ``0..ctx-1`` with its drafts from slot
+    ``scratch`` on (the engine's layout: the drafts' scratch pages away from the context)."""
+    base = tree_from_medusa(size, context_len=ctx)
+    kv = base.kv_indices.copy()
+    kv[ctx:] += scratch - ctx
+    return DecodingTree.from_parents(base.parents, base.lengths, kv_indices=kv, query_nodes=base.query_nodes,
+                                     query_prefix=base.query_prefix)

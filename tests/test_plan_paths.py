@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import expected_coverage, paged_case, planned_coverage, random_tree, rel_l2
+from helpers import expected_coverage, paged_case, planned_coverage, random_tree, rel_l2, scratch_medusa
 from treeattn import DecodingTree, TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
 from treeattn.plan.addressing import unit_runs
 from treeattn.plan.auto import estimate_items
-from treeattn.plan.leads import cut_at_leads, run_leads, run_tokens, trunk_tokens
+from treeattn.plan.leads import cut_at_leads, on_runs, run_leads, run_tokens, trunk_tokens
 from treeattn.plan.paths import (
     OWN_ITEM_TOKENS,
     _pair_path_tiles,
@@ -32,7 +32,7 @@ def trees(rng):
     return [tree_from_spec("1,2,4,8,32_40,16,8,8,4"), tree_from_spec("2,8,16_24,12,5"),
             tree_from_spec("1,4,16_300,9,70"), tree_from_medusa(32, context_len=45),
             random_tree(rng, 40, 30, roots=2), random_tree(rng, 30, 20, roots=1, inner_queries=True),
-            _scratch_medusa(64, 300, 512)]  # (trunk leads ending off their run of slots: run_leads)
+            scratch_medusa(64, 300, 512)]  # (trunk leads ending off their run of slots: run_leads)
 
 
 def _apart(tree, heads, rows):
@@ -176,16 +176,6 @@ def test_run_tokens():
     assert run_tokens(forest).tolist() == [2, 2, 4]
 
 
-def _scratch_medusa(size: int, ctx: int, scratch: int) -> DecodingTree:
-    """A Medusa tree over a ``ctx``-token context in slots ``0..ctx-1`` with its drafts from slot
-    ``scratch`` on (the engine's layout: the drafts' scratch pages away from the context)."""
-    base = tree_from_medusa(size, context_len=ctx)
-    kv = base.kv_indices.copy()
-    kv[ctx:] += scratch - ctx
-    return DecodingTree.from_parents(base.parents, base.lengths, kv_indices=kv, query_nodes=base.query_nodes,
-                                     query_prefix=base.query_prefix)
-
-
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (16, 4)])
 def test_trunk_leads_keep_to_runs_of_slots_and_match_float64_reference(device, hq, hkv):
     """A token tree whose shared first drafts lie in scratch slots after a context of consecutive
@@ -193,7 +183,7 @@ def test_trunk_leads_keep_to_runs_of_slots_and_match_float64_reference(device, h
     rest), so every lead reads one run of slots and their launch takes affine addresses; the plans
     match a float64 reference."""
     d, ctx = 16, 300
-    tree = _scratch_medusa(64, ctx, 512)
+    tree = scratch_medusa(64, ctx, 512)
     heads = HeadConfig(hq, hkv, d, torch.float32)
     tiles = deferred_path_tiles(tree, heads, 8 * heads.group)
     beyond = tiles.mask_lead > ctx  # tiles whose queries share their first drafts
@@ -214,3 +204,26 @@ def test_trunk_leads_keep_to_runs_of_slots_and_match_float64_reference(device, h
         assert unmasked and all(runs[ln.work_start: ln.work_end].all() for ln in unmasked), note
         w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device=device), device=device, backend="triton")
         assert rel_l2(w.run(*(t.to(device) for t in (q, kc, vc)), plan), o_ref) <= 1e-4, note
+
+
+def test_lead_chunks_are_known_runs_only_where_they_are():
+    """``paths`` marks its split variants of a token tree over one context as reading runs
+    (:attr:`WorkItems.unmasked_runs`) when the context lies in consecutive slots, and every
+    unmasked unit of those plans is a run; with the context's slots out of order, none is marked."""
+    heads = HeadConfig(8, 2, 32, torch.float16)
+    tree = scratch_medusa(64, 600, 1024)
+    variants = paths_variants(tree, heads, CostModel())
+    marked = [items for items, note in variants if items.unmasked_runs]
+    assert marked and all("leads" in note for items, note in variants if items.unmasked_runs)
+    for items in marked:
+        plan = build_plan(tree, items, heads, strategy="paths")
+        h = plan.host
+        runs = unit_runs(h.kv_slots, h.work_kv_start, h.work_kv_end)
+        assert all(runs[ln.work_start: ln.work_end].all() for ln in plan.launches if not ln.masked)
+    kv = tree.kv_indices.copy()
+    kv[[100, 200]] = kv[[200, 100]]  # two context slots swapped: no lead is one run
+    shuffled = DecodingTree.from_parents(tree.parents, tree.lengths, kv_indices=kv, query_nodes=tree.query_nodes,
+                                         query_prefix=tree.query_prefix)
+    tiles = deferred_path_tiles(shuffled, heads, 128)
+    assert not on_runs(shuffled, tiles, run_leads(shuffled, tiles))
+    assert not any(items.unmasked_runs for items, _ in paths_variants(shuffled, heads, CostModel()))

@@ -9,12 +9,21 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from helpers import TOL, rel_l2
+from helpers import TOL, rel_l2, scratch_medusa
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.ops import _tma_descriptors
-from treeattn.plan.addressing import TILE_TALL_CONTIG, TILE_TALL_TMA, TMA_MIN_TOKENS, tma_launches, tma_loads
+from treeattn.plan.addressing import (
+    TILE_TALL_CONTIG,
+    TILE_TALL_TMA,
+    TMA_MIN_TOKENS,
+    tma_launches,
+    tma_loads,
+    tma_pays,
+)
 from treeattn.plan.cost import CostModel
+from treeattn.plan.auto import estimate_items
+from treeattn.plan.paths import paths_variants
 from treeattn.plan.plan import Launch
 from treeattn.reference import reference_attention
 
@@ -33,19 +42,34 @@ def test_tma_loads_needs_the_device_16_bit_caches_and_a_small_head_dim():
 
 
 def test_tma_launches_rule():
-    """Tall contig launches at TILE_TALL_CONTIG over units averaging >= TMA_MIN_TOKENS take the
-    TMA tile and the split tail; shorter units, gathered or other launches are kept."""
+    """Tall contig launches at TILE_TALL_CONTIG over units averaging the most tokens of
+    TMA_MIN_TOKENS take the TMA tile and the split tail (with 4 waves of programs); shorter units,
+    gathered or other launches are kept."""
+    long_units = TMA_MIN_TOKENS[-1][1]
     tall = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_CONTIG))
     launches = (Launch(128, work_start=0, work_end=2, contig=True, masked=False, **tall),
                 Launch(128, work_start=2, work_end=4, contig=True, masked=False, **tall),
                 Launch(128, work_start=4, work_end=6, contig=False, masked=False, **tall),
                 Launch(64, 64, 6, 8, 4, 3, contig=True))
-    length = np.array([TMA_MIN_TOKENS, TMA_MIN_TOKENS + 1, TMA_MIN_TOKENS, TMA_MIN_TOKENS - 2] + [5000] * 4)
+    length = np.array([long_units, long_units + 1, long_units, long_units - 2] + [5000] * 4)
     start = np.arange(8) * 10000
-    out = tma_launches(launches, start, start + length)
+    out = tma_launches(launches, start, start + length, 8, 4)
     assert out[0] == dataclasses.replace(launches[0], block_n=TILE_TALL_TMA[0], num_warps=TILE_TALL_TMA[1],
                                          num_stages=TILE_TALL_TMA[2], split_tail=True, tma=True)
-    assert out[1:] == launches[1:]  # mean TMA_MIN_TOKENS - 0.5; gathered; not the tall tile
+    assert out[1:] == launches[1:]  # mean 0.5 tokens short; gathered; not the tall tile
+
+
+def test_tma_launches_take_shorter_units_with_fewer_waves():
+    """Each (waves, tokens) of TMA_MIN_TOKENS: a tall contig launch of at most ``waves`` x SMs
+    programs takes the TMA tile from ``tokens`` on, and not a token shorter nor on one SM less."""
+    tall = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_CONTIG))
+    launch = (Launch(128, work_start=0, work_end=3, contig=True, masked=False, **tall),)  # 24 programs
+    start = np.arange(3) * 10000
+    for waves, tokens in TMA_MIN_TOKENS:
+        num_sms = int(np.ceil(24 / waves))
+        for length, sms, tma in ((tokens, num_sms, True), (tokens - 1, num_sms, False), (tokens, num_sms - 1, False)):
+            got = tma_launches(launch, start, start + length, 8, sms)[0].tma
+            assert got is tma and bool(tma_pays(24, float(length), sms)) is tma, (waves, tokens, length, sms)
 
 
 def tall_tree(page_size: int, gap: int = 0) -> DecodingTree:
@@ -148,3 +172,25 @@ def test_update_keeps_the_tma_tile(device):
     q, k, v = inputs(grown, torch.float16, num_slots=2112)
     ref = reference_attention(q, k[0], v[0], grown)[0]
     assert rel_l2(attn.run(*[t.to(device, torch.float16) for t in (q, k[0], v[0])], updated), ref) <= TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16])
+def test_lead_chunks_on_runs_take_tma_as_rated(device, dtype):
+    """A Medusa tree of 128 drafts over a 1500-token context in consecutive slots, its drafts in
+    scratch slots: ``paths``' lead chunks are known runs, so with TMA the cost model rates their
+    launch of fewer programs than SMs at ``tma_speedup`` and ``auto`` takes chunks loaded through
+    descriptors, which match the reference; without TMA the same items are rated at pointer rates."""
+    tree = scratch_medusa(128, 1500, 2048)
+    heads = HeadConfig(HQ, HKV, D, dtype)
+    tma, pointers = CostModel(side_streams=True, tma=True), CostModel(side_streams=True)
+    rated = [(estimate_items(tree, items, heads, tma)["attention"], estimate_items(tree, items, heads, pointers)["attention"])
+             for items, _ in paths_variants(tree, heads, tma) if items.unmasked_runs]
+    assert rated and any(a < b for a, b in rated) and all(a <= b for a, b in rated)
+    attn = TreeAttention(device=device, backend="triton", cost=tma)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=dtype)
+    assert plan.strategy == "paths" and any(ln.tma for ln in plan.launches), plan.reason
+    q, k, v = inputs(tree, dtype, num_slots=2048 + 512)
+    ref = reference_attention(q, k[0], v[0], tree)[0]
+    assert rel_l2(attn.run(*(t.to(device, dtype) for t in (q, k[0], v[0])), plan), ref) <= TOL[dtype]

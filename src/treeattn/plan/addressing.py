@@ -13,17 +13,18 @@ import numpy as np
 from treeattn.topology import slot_breaks
 
 __all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
-           "runs_between", "split_tails", "tma_launches", "tma_loads", "unit_runs"]
+           "runs_between", "split_tails", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
 TILE_TALL_CONTIG = (32, 4, 3)
 TALL_CONTIG_ROWS = 128
 TALL_CONTIG_WAVES = 6
-#: Those launches whose units average TMA_MIN_TOKENS or more load K/V through tensor descriptors
-#: (Launch.tma) with this config where the device has TMA (:func:`tma_launches`)
+#: Those launches load K/V through tensor descriptors (Launch.tma) with this config where the
+#: device has TMA (:func:`tma_launches`) whose units average, for each ``(waves, tokens)`` of
+#: TMA_MIN_TOKENS, ``tokens`` or more with at most ``waves`` x SMs programs
 TILE_TALL_TMA = (128, 8, 3)
-TMA_MIN_TOKENS = 2048
+TMA_MIN_TOKENS = ((0.75, 384), (TALL_CONTIG_WAVES, 2048))
 #: Gathered launches of GATHERED_NARROW_ROWS-row tiles over long items with at least
 #: GATHERED_NARROW_WAVES waves of programs run GATHERED_NARROW_WARPS warps a program
 GATHERED_NARROW_ROWS = 32
@@ -108,11 +109,22 @@ def tma_loads(heads, cost) -> bool:
     return bool(cost.tma) and heads.elem_bytes == 2 and heads.head_dim in (16, 32, 64, 128)
 
 
-def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> tuple:
+def tma_pays(programs, mean_tokens, num_sms: int):
+    """Whether a tall contig launch (:data:`TILE_TALL_CONTIG`) of ``programs`` programs over units
+    of ``mean_tokens`` tokens on average takes TMA wide tiles (:data:`TMA_MIN_TOKENS`); numbers or
+    arrays (element-wise)."""
+    out = False
+    for waves, tokens in TMA_MIN_TOKENS:
+        out = out | ((programs <= waves * num_sms) & (mean_tokens >= tokens))
+    return out
+
+
+def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, num_kv_heads: int,
+                 num_sms: int) -> tuple:
     """``launches`` (after :func:`contig_launches`) with the tall contig ones (:data:`TILE_TALL_CONTIG`)
-    whose units average :data:`TMA_MIN_TOKENS` or more turned to :attr:`Launch.tma` at
-    :data:`TILE_TALL_TMA` (and :attr:`Launch.split_tail`, as the kernel loads only whole tiles
-    through descriptors: past a unit's end lie other slots).
+    where :func:`tma_pays` turned to :attr:`Launch.tma` at :data:`TILE_TALL_TMA` (and
+    :attr:`Launch.split_tail`, as the kernel loads only whole tiles through descriptors: past a
+    unit's end lie other slots).
 
     With no address arithmetic in the threads, K/V land in shared memory where the MMAs read
     them, and 128-token KV tiles with 8 warps pay: standalone tall tiles 1.12-1.14x faster than
@@ -123,12 +135,19 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -
     (0.82-1.04x, below 1.0 on 10 of 14 plans), and descriptor loads at the launches' own configs
     gain nothing (0.93-1.03x). Beside a large leaf launch the gain shrinks: 8 such roots over 512
     leaves of 256 tokens, 0.98x / 1.05x at 32/8 / 64/8 (benchmarks/NOTES.md, session 19).
+
+    Launches of fewer programs than SMs pay from shorter units on (the wide tile's three stages
+    fill an SM's shared memory: one program a SM, beside the plan's other launches). On the
+    context chunks of Medusa trees (H100, benchmarks/probe_spec.py ``splits``, NOTES.md session
+    27): 1.04-1.32x faster at 32-96 programs over 400-1250 tokens, but at 128-256 programs only
+    0.99-1.08x over 500-1250 tokens and 0.80-0.99x over 375-400, and 0.80-0.97x over 133-417
+    tokens at any count.
     """
     out = []
     for ln in launches:
         if ln.contig and ln.block_m >= TALL_CONTIG_ROWS and (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_CONTIG:
             length = work_kv_end[ln.work_start: ln.work_end] - work_kv_start[ln.work_start: ln.work_end]
-            if length.mean() >= TMA_MIN_TOKENS:
+            if tma_pays((ln.work_end - ln.work_start) * num_kv_heads, length.mean(), num_sms):
                 block_n, num_warps, num_stages = TILE_TALL_TMA
                 ln = dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                                          split_tail=True, tma=True)

@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 
+from treeattn.plan.addressing import tma_loads
 from treeattn.plan.cost import CostModel
 from treeattn.plan.launches import launch_slots
 from treeattn.plan.items import WorkItems
@@ -61,7 +62,10 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
                 lead[a:b] = it.mask_lead
         flagged &= used
     set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
-    slots = launch_slots(length, nq, set_of, len(unique), flagged, heads, lead)
+    # sets whose unmasked items the planner knows to read runs of slots: their launches may load
+    # through TMA, rated from their units' mean length
+    runs = [it.unmasked_runs for it in unique] if tma_loads(heads, cost) else []
+    slots = launch_slots(length, nq, set_of, len(unique), flagged, heads, lead, tokens=any(runs))
     flagged_sets = slots.flags.any(axis=1).tolist()  # (a set's launch applies the mask iff it has a flagged item)
     sets = []
     for i, it in enumerate(unique):
@@ -73,7 +77,7 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
         per_item = it.masked is not None
         masked = flagged_sets[i] if per_item else tokens > visible_tokens
         sets.append((kv_tokens, pairs, it.used_merge_rows(used[a:b]), tree.num_queries, masked, per_item))
-    estimates = dict(zip(map(id, unique), cost.totals(sets, slots, heads)))
+    estimates = dict(zip(map(id, unique), cost.totals(sets, slots, heads, runs=runs if any(runs) else None)))
     return [estimates[id(it)] for it in item_sets]
 
 

@@ -316,7 +316,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
                                heads.num_kv_heads, cost.num_sms, has_mask=needs_mask)
     if tma_loads(heads, cost):
-        launches = tma_launches(launches, work_kv_start, work_kv_end)
+        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms)
     launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from treeattn.plan.addressing import TALL_CONTIG_ROWS, TALL_CONTIG_WAVES, tma_pays
 from treeattn.plan.launches import LaunchSlots, _launches_many
 from treeattn.plan.plan import HeadConfig
 
@@ -84,9 +85,14 @@ class CostModel:
     #: no plan runs tallest first and launches are rated one after another
     side_streams: bool = True
     #: the device loads tiles through tensor descriptors (Hopper's TMA), which tall launches over
-    #: long runs of slots take (:func:`~treeattn.plan.addressing.tma_launches`; rated like
-    #: pointer loads). TreeAttention sets it on CUDA devices of compute capability 9.0 or later
+    #: long runs of slots take (:func:`~treeattn.plan.addressing.tma_launches`). TreeAttention
+    #: sets it on CUDA devices of compute capability 9.0 or later
     tma: bool = False
+    #: how much faster than the fitted rates above such a launch runs, its SM time and its longest
+    #: program, where the planner knows its items read runs (:attr:`WorkItems.unmasked_runs`;
+    #: other TMA launches are rated like pointer loads). Fitted on Medusa trees' context chunks on an
+    #: H100 (benchmarks/fit_tma_rate.py on results/h100_probe_spec_splits_f4f5c60.json)
+    tma_speedup: float = 2.0
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 7.06e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
@@ -202,11 +208,14 @@ class CostModel:
                             np.ones((1, len(launches)), dtype=bool))
         return self.totals([(kv_tokens, rows, merge_rows_max, num_queries, masked, per_item)], slots, heads)[0]
 
-    def totals(self, sets: list, slots: LaunchSlots, heads: HeadConfig) -> list:
+    def totals(self, sets: list, slots: LaunchSlots, heads: HeadConfig, *, runs: list | None = None) -> list:
         """:meth:`total` of several item sets: ``sets`` holds each one's ``(kv_tokens, rows,
         merge_rows_max, num_queries, masked, per_item)`` and ``slots`` their launches, a row per
         set (:func:`~treeattn.plan.launches.launch_slots`). Each launch's SM time and longest
-        program are found for all sets at once (the same float operations as one at a time)."""
+        program are found for all sets at once (the same float operations as one at a time).
+        ``runs`` (bool per set, with ``slots.tokens``): the set's unmasked items read runs of
+        slots, so its launches that the builder gives TMA wide tiles run ``tma_speedup`` times
+        faster."""
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
@@ -221,8 +230,13 @@ class CostModel:
         tile_sm_s = block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / flops
         work_s = (work + self.mask_cost * masked_work) * tile_sm_s
         live = slots.live
-        sm_all = ((slots.programs * self.program_overhead_s + work_s) / self.num_sms)[live].tolist()
-        longest_all = (self.program_s(block_m, block_n, longest, heads) * mask)[live].tolist()
+        sm = (slots.programs * self.program_overhead_s + work_s) / self.num_sms
+        longest_s = self.program_s(block_m, block_n, longest, heads) * mask
+        if runs is not None:
+            speed = np.where(self._tma(np.array(runs, dtype=bool)[:, None] & ~launch_masked, slots, hkv),
+                             1.0 / self.tma_speedup, 1.0)
+            sm, longest_s = sm * speed, longest_s * speed
+        sm_all, longest_all = sm[live].tolist(), longest_s[live].tolist()
         rule_all = self.program_s(block_m, block_n, longest, heads, tall_first=True)[live].tolist()
         bounds = [0, *itertools.accumulate(live.sum(axis=1).tolist())]
         out = []
@@ -247,3 +261,12 @@ class CostModel:
                         "tall_first": tall_first,
                         "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * (direct and hi > lo)})
         return out
+
+    def _tma(self, runs: np.ndarray, slots: LaunchSlots, hkv: int) -> np.ndarray:
+        """bool [G, S]: the launches the builder gives TMA wide tiles, of those unmasked over runs
+        of slots (``runs``): contig tall tiles (:func:`~treeattn.plan.addressing.contig_launches`)
+        where :func:`~treeattn.plan.addressing.tma_pays`."""
+        programs = slots.programs
+        tall = runs & (slots.block_m >= TALL_CONTIG_ROWS) & (slots.block_n >= 64) & \
+            (programs <= TALL_CONTIG_WAVES * self.num_sms)
+        return tall & tma_pays(programs, slots.tokens * hkv / np.maximum(programs, 1), self.num_sms)

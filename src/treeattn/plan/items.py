@@ -44,7 +44,14 @@ class WorkItems:
         Tokens of each item that all its queries see before the first one some query does not (the
         kernel runs the KV tiles before it unmasked), -1 where not known; None: not known. Only
         the cost model reads it.
+    unmasked_runs : bool
+        Every item without the tree mask reads one run of consecutive KV slots, as the planner
+        knows (:func:`~treeattn.plan.leads.on_runs`; the cost model then rates the TMA loads the
+        builder gives their launches); False: not known. Not a field: set on the planner's own
+        new items only.
     """
+
+    unmasked_runs = False
 
     seg_indptr: np.ndarray
     seg_node: np.ndarray

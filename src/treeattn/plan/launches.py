@@ -114,6 +114,8 @@ class LaunchSlots:
         The launch applies the mask.
     live : bool [G, S]
         The slot is a launch.
+    tokens : [G, S] or None
+        KV tokens of all its work units (one KV head), where asked for.
     """
 
     block_m: np.ndarray
@@ -124,6 +126,7 @@ class LaunchSlots:
     flags: np.ndarray
     masked_work: np.ndarray
     live: np.ndarray
+    tokens: np.ndarray | None = None
 
     def launches(self) -> list:
         """Each set's launches as :func:`launches_by_group` lists them (plain numbers)."""
@@ -136,9 +139,9 @@ class LaunchSlots:
 
 
 def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, flagged: np.ndarray | None,
-                 heads: HeadConfig, lead: np.ndarray | None = None) -> LaunchSlots:
+                 heads: HeadConfig, lead: np.ndarray | None = None, *, tokens: bool = False) -> LaunchSlots:
     """:func:`launches_by_group`'s launches as :class:`LaunchSlots` (``num_groups`` sets; few numpy
-    calls for all of them)."""
+    calls for all of them), with their KV tokens (:attr:`LaunchSlots.tokens`) if ``tokens``."""
     block_m, block_n, q_shape, q_last, short_bits, long_bits = _tile_tables(heads.group, heads.head_dim)
     n_shapes = block_m.size
     shape = q_shape.take(nq, mode="clip")  # (q_shape's last entry: every count beyond q_last)
@@ -184,9 +187,14 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
             np.add.at(masked_work, flagged_shape[known], counted[known])
             whole = np.bincount(flagged_shape[~known], minlength=size) > 0
             masked_work[whole] = work[whole]
+    unit_tokens = None
+    if tokens:
+        unit_tokens = np.zeros_like(programs)
+        np.add.at(unit_tokens, shape, tiles * length)
     hkv = heads.num_kv_heads
     shapes = (num_groups, n_shapes)
     size -= n_shapes
     return LaunchSlots(block_m, block_n, (programs[:size] * hkv).reshape(shapes), (work[:size] * hkv).reshape(shapes),
                        longest[:size].reshape(shapes), flags[:size].reshape(shapes),
-                       (masked_work[:size] * hkv).reshape(shapes), programs[:size].reshape(shapes) > 0)
+                       (masked_work[:size] * hkv).reshape(shapes), programs[:size].reshape(shapes) > 0,
+                       None if unit_tokens is None else unit_tokens[:size].reshape(shapes))

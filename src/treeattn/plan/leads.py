@@ -15,8 +15,8 @@ from treeattn.plan.items import DeferredItems, WorkItems, _indptr
 from treeattn.topology import ranges
 from treeattn.tree import DecodingTree
 
-__all__ = ["LEAD_CHUNKS", "RUN_LEAD_SLACK", "cut_at_leads", "run_leads", "run_tokens", "splittable_lengths",
-           "trunk_leads", "trunk_tokens"]
+__all__ = ["LEAD_CHUNKS", "RUN_LEAD_SLACK", "cut_at_leads", "on_runs", "run_leads", "run_tokens",
+           "splittable_lengths", "trunk_leads", "trunk_tokens"]
 
 #: a trunk lead keeps only its run of consecutive KV slots where at most this many of its last
 #: tokens lie elsewhere (:func:`run_leads`: a token tree's shared first drafts)
@@ -27,7 +27,7 @@ RUN_LEAD_SLACK = 16
 #: these, results/h100_probe_spec_{b21eca5,011377d}.json); on decode trees whose tiles read
 #: different leads the cost model picked them where they ran 2-13% slower (h100_probe_lead_*.json).
 #: (Measured with 2 chunks as well, which the model picked for no Medusa tree at 32/8 or 32/32.)
-LEAD_CHUNKS = (3, 4, 6)
+LEAD_CHUNKS = (2, 3, 4, 6)
 
 
 def cut_at_leads(items: WorkItems, at: np.ndarray | None = None) -> tuple[WorkItems, np.ndarray]:
@@ -106,13 +106,28 @@ def run_leads(tree: DecodingTree, items: WorkItems) -> np.ndarray | None:
     (:func:`~treeattn.plan.addressing.contig_launches`), and one such lead kept the whole launch
     of a Medusa tree's context chunks gathered."""
     lead = items.mask_lead
+    first, run = _first_runs(tree, items)
+    has = (lead > 0) & items.masked & (first >= 0)
+    run = np.minimum(lead, run)
+    moved = has & (run > 0) & (run < lead) & (lead - run <= RUN_LEAD_SLACK)
+    return np.where(moved, run, lead) if moved.any() else None
+
+
+def on_runs(tree: DecodingTree, items: WorkItems, at: np.ndarray | None = None) -> bool:
+    """Whether every item that :func:`cut_at_leads` (cut ``at``) leaves unmasked reads one run of
+    consecutive KV slots, for path tiles over every node (no nodes apart): a tile's lead, and a
+    tile all of whose queries see it whole, are the first tokens of its first query's path."""
+    first, run = _first_runs(tree, items)
+    read = np.where(items.masked, items.mask_lead if at is None else at, items.item_len)
+    return bool(((read <= run) | (first < 0)).all())
+
+
+def _first_runs(tree: DecodingTree, items: WorkItems) -> tuple[np.ndarray, np.ndarray]:
+    """int64 [items] twice: each item's first query (-1: none) and :func:`run_tokens` of its path."""
     q_item, q_query = items.pairs()
     first = np.full(items.num_items, -1, dtype=np.int64)
     first[q_item[::-1]] = q_query[::-1]  # (each item's first query: the last write wins)
-    has = (lead > 0) & items.masked & (first >= 0)
-    run = np.minimum(lead, run_tokens(tree)[tree.effective_queries[0][np.maximum(first, 0)]])
-    moved = has & (run > 0) & (run < lead) & (lead - run <= RUN_LEAD_SLACK)
-    return np.where(moved, run, lead) if moved.any() else None
+    return first, run_tokens(tree)[tree.effective_queries[0][np.maximum(first, 0)]]
 
 
 def run_tokens(tree: DecodingTree) -> np.ndarray:

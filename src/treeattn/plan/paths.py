@@ -22,7 +22,7 @@ import numpy as np
 from treeattn.plan.auto import best_variant
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import DeferredItems, WorkItems, _indptr, _same, concat_items, masked_flags
-from treeattn.plan.leads import LEAD_CHUNKS, cut_at_leads, run_leads, splittable_lengths, trunk_leads
+from treeattn.plan.leads import LEAD_CHUNKS, cut_at_leads, on_runs, run_leads, splittable_lengths, trunk_leads
 from treeattn.plan.node import node_items
 from treeattn.plan.plan import HeadConfig, _block_m_choices
 from treeattn.plan.query_ranges import query_ranges
@@ -244,7 +244,7 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
                 continue
             # the items are cut at their leads only for the variants that split some
             leads = splittable_lengths(tiles)
-            chunks, at = [], None
+            chunks, at, runs = [], None, False
             if trunk_leads(tree, leads):
                 at = run_leads(tree, tiles)
                 if at is not None:
@@ -252,16 +252,24 @@ def paths_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> li
                 longest = int(leads.max())
                 chunks = [(k, -(-longest // k)) for k in LEAD_CHUNKS
                           if k != -(-longest // max_len) and -(-longest // k) >= OWN_ITEM_TOKENS]
+                runs = apart is None and on_runs(tree, tiles, at)
             if not chunks and not (leads > max_len).any():
                 continue
             cut, splittable = cut_at_leads(tiles, at)
             split = split_long_items(cut, np.where(splittable, max_len, _NEVER))
             if split is not cut:
-                out.append((split, note + why.replace("long contexts", "leads")))
+                out.append((_runs_known(split, runs), note + why.replace("long contexts", "leads")))
             for k, chunk in chunks:
-                out.append((split_long_items(cut, np.where(splittable, chunk, _NEVER)),
+                out.append((_runs_known(split_long_items(cut, np.where(splittable, chunk, _NEVER)), runs),
                             note + f"; leads cut into chunks of {chunk} tokens ({k} of the longest)"))
     return out
+
+
+def _runs_known(items: WorkItems, runs: bool) -> WorkItems:
+    """``items`` (made here) with :attr:`~WorkItems.unmasked_runs` set to ``runs``."""
+    if runs:
+        object.__setattr__(items, "unmasked_runs", True)  # (not a field: the frozen items keep theirs)
+    return items
 
 
 def plan_paths(tree: DecodingTree, heads: HeadConfig, cost: CostModel) -> tuple[WorkItems, str]:
