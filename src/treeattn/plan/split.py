@@ -3,6 +3,8 @@ at which planners split for parallelism (to fill the GPU, or items longer than a
 work)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from treeattn.plan.items import DeferredItems, WorkItems, _indptr
@@ -19,13 +21,23 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
 
     The chunks' segments and queries are made when first read (:class:`_SplitItems`)."""
     length = items.item_len
-    max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
-    if not (length > max_len).any():
-        return items
-    chunks = np.maximum(1, -(-length // max_len))
-    chunk_len = -(-length // chunks)
-    chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
-    chunks = np.maximum(1, -(-length // chunk_len))
+    if isinstance(max_len, (int, np.integer)):
+        max_len = max(int(max_len), 1)
+        if length.size == 0 or int(length.max()) <= max_len:
+            return items
+    else:
+        max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
+        if not (length > max_len).any():
+            return items
+    # ceil(a / b) as (a - 1) // b + 1 of a >= 1: an empty item counts as one token (one chunk of
+    # length 1 either way), so every chunk count is at least 1 and every rounded length at least
+    # ``align`` without clamping them
+    whole = np.maximum(length, 1)
+    less = whole - 1
+    chunks = less // max_len + 1
+    # each chunk's share rounded up to ``align``, at most the item
+    chunk_len = np.minimum((less // chunks + align) // align * align, whole)
+    chunks = less // chunk_len + 1
     return _SplitItems(items, chunks, chunk_len)
 
 
@@ -34,23 +46,26 @@ class _SplitItems(DeferredItems):
     ``i`` of ``source`` (the last one shorter)."""
 
     def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
-        n = source.num_items
         base = _indptr(chunks)
-        chunk_item = np.arange(n).repeat(chunks)
-        cl = chunk_len[chunk_item]
-        offset = (np.arange(int(base[-1])) - base[chunk_item]) * cl
-        length = np.minimum(cl, source.item_len[chunk_item] - offset)
+        # an item's chunks are all chunk_len long but its last, which holds the rest
+        length = chunk_len.repeat(chunks)
+        length[base[1:] - 1] = source.item_len - (chunks - 1) * chunk_len
         masked = mask_lead = None
+        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_base=base)
         if source.mask_lead is not None and source.masked is not None:
             # a chunk's lead is the part of its item's lead that falls in it (np.clip costs
             # several times more than its two ufuncs)
-            item_lead = source.mask_lead[chunk_item]
-            lead = np.minimum(np.maximum(item_lead - offset, 0), length)
-            masked = source.masked[chunk_item] & (lead < length)
+            start = (np.arange(length.size) - base[:-1].repeat(chunks)) * chunk_len.repeat(chunks)
+            item_lead = source.mask_lead.repeat(chunks)
+            lead = np.minimum(np.maximum(item_lead - start, 0), length)
+            masked = source.masked.repeat(chunks) & (lead < length)
             mask_lead = np.where(item_lead < 0, -1, lead)
-        super().__init__(length, source.item_queries[chunk_item], self._split, masked=masked, mask_lead=mask_lead)
-        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
-                             chunk_base=base)
+        super().__init__(length, source.item_queries.repeat(chunks), self._split, masked=masked, mask_lead=mask_lead)
+
+    @functools.cached_property
+    def chunk_item(self) -> np.ndarray:
+        """int64 [chunks]: the source item of each chunk."""
+        return np.arange(self.chunks.size).repeat(self.chunks)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each query of a source item is in that item's used chunks: no need to make the chunks'
