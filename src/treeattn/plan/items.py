@@ -295,7 +295,7 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
     ids = np.arange(n)
     if top is None:
         top = np.where(glued, parents, ids)
-        for _ in range(int(topo.depth.max()).bit_length()):
+        for _ in range(chain_jumps(tree)):
             top = top[top]
     # a chain's tokens: those (seen) on the path to its bottom, less those above its top
     extent = tree.node_extent
@@ -338,6 +338,13 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
     items = _ChainItems(item_len, item_queries, make, single_nodes=np.where(top == ids, ids, -1))
     items.__dict__.update(_bottom_pairs=bottom_pairs, _tree=tree, _glued=glued)
     return items
+
+
+def chain_jumps(tree: DecodingTree) -> int:
+    """The pointer jumps ``top = top[top]`` that take ``top = where(glued, parents, ids)`` to the
+    top of every node's chain of glued edges: each doubles the edges a node has climbed, and a
+    chain has at most the tree's depth of them."""
+    return max(int(tree.topology.depth.max()) - 1, 0).bit_length()
 
 
 class _ChainItems(DeferredItems):
