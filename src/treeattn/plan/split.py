@@ -135,16 +135,17 @@ def fill_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[
     """When the items' programs (query tiles of ``tile_rows`` rows, per KV head) cannot fill the
     GPU (``cost.target_programs``): the length that splits them evenly into about that many, and
     a note; else ``(None, "")``; ``(None, None)`` without items."""
-    item_len = items.item_len
-    used = (item_len > 0) & (items.item_queries > 0)
-    if not used.any():
-        return None, None
+    item_len, nq = items.item_len, items.item_queries
     q_tile = max(1, tile_rows // heads.group)
-    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
+    # (sums over the items with tokens and queries: an item without either adds no tiles or no
+    # tokens, so none are used iff there are no tiles)
+    programs = int(((nq + (q_tile - 1)) // q_tile) @ (item_len > 0)) * heads.num_kv_heads
+    if not programs:
+        return None, None
     if programs >= cost.target_programs:
         return None, ""
     per_head = max(1, cost.target_programs // heads.num_kv_heads)
-    max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
+    max_len = max(cost.min_split_tokens, -(-int(item_len @ (nq > 0)) // per_head))
     return max_len, f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
 
 
@@ -161,10 +162,11 @@ def fair_share_length(items: WorkItems, *, group: int, num_kv_heads: int, tile_r
     longer than it (and than ``min_len``) are to be split into chunks of about that length.
     """
     length, nq = items.item_len, items.item_queries
-    used = (length > 0) & (nq > 0)
-    if not used.any():
+    # (over the items with tokens and queries: an item without either walks no tokens, so none are
+    # used iff there is no work)
+    work = int(((nq * group + (tile_rows - 1)) // tile_rows) @ length)
+    if not work:
         return None
-    tiles = -(-(nq[used] * group) // tile_rows)
-    share = -(-int(tiles @ length[used]) * num_kv_heads // max(1, slots))
+    share = -(-work * num_kv_heads // max(1, slots))
     max_len = max(share, min_len)
-    return None if int(length[used].max()) <= max_len else max_len
+    return None if int((length * (nq > 0)).max()) <= max_len else max_len
