@@ -104,5 +104,6 @@ def test_deferred_items_summary_matches_made_items(rng, strategy):
             np.testing.assert_array_equal(deferred.item_queries, made.q_indptr[1:] - made.q_indptr[:-1])
             assert deferred.num_items == made.num_items
             used = (deferred.item_len > 0) & (deferred.item_queries > 0)
+            assert deferred.used_merge_rows() == made.merge_rows_max(used)
             for subset in (used, used & (rng.random(used.size) < 0.5), np.zeros_like(used)):
                 assert deferred.merge_rows_max(subset) == made.merge_rows_max(subset)

@@ -67,6 +67,18 @@ class _SplitItems(DeferredItems):
         """int64 [chunks]: the source item of each chunk."""
         return np.arange(self.chunks.size).repeat(self.chunks)
 
+    def used_merge_rows(self, used: np.ndarray | None = None) -> int:
+        rows = self.__dict__.get("_used_merge_rows")
+        if rows is None:
+            if used is None:
+                used = (self.item_len > 0) & (self.item_queries > 0)
+            # a chunk has tokens iff its item has, and the item's queries: an item's chunks are
+            # all used or none, as its first one, and each used item weighs its chunks
+            weights = self.source.query_weights(self.chunks if used.all() else
+                                                self.chunks * used[self.chunk_base[:-1]])
+            rows = self.__dict__["_used_merge_rows"] = int(weights.max()) if weights.size else 0
+        return rows
+
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each query of a source item is in that item's used chunks: no need to make the chunks'
         # query lists
