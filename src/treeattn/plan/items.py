@@ -374,7 +374,7 @@ class _ChainItems(DeferredItems):
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         # a glued child's range weighs its own item less its parent's
         tree = self._tree
-        per_item = per_item.astype(np.int64)
+        per_item = per_item.astype(np.int64, copy=False)
         order, lo, hi = query_ranges(tree)
         return range_weights(order, lo, hi, per_item - self._glued * per_item[tree.parents], tree.num_queries)
 
