@@ -74,7 +74,8 @@ def test_split_long_items_with_empty_items_and_segments():
                               [0, 1, 2], 4, q_tokens=np.array([40, 73, 73]))
     for max_len in (16, 30, [10, 1, 20, 5]):
         for align in (1, 16, 24):
-            assert_same_items(split_long_items(items, max_len, align=align), split_reference(items, max_len, align=align))
+            assert_same_items(split_long_items(items, max_len, align=align),
+                              split_reference(items, max_len, align=align))
 
 
 def test_take_keeps_content(rng):
