@@ -176,7 +176,9 @@ def sequential_edge_assignment(tree: DecodingTree, rows: np.ndarray, cost: CostM
 
 
 @pytest.mark.parametrize("cost", [CostModel(), CostModel(fasttree_alpha=0.3, fasttree_beta=2.5,
-                                                         fasttree_gamma=0.7, fasttree_tile_q=8)])
+                                                         fasttree_gamma=0.7, fasttree_tile_q=8),
+                                  CostModel(fasttree_alpha=2, fasttree_beta=3, fasttree_gamma=5, fasttree_tile_q=12,
+                                            fasttree_tile_kv=48)])
 @given(tree=forests(max_nodes=200, max_len=100))
 def test_greedy_fixed_point_is_the_sequential_algorithm(cost, tree):
     for group in (1, 4):

@@ -73,7 +73,9 @@ def test_split_long_items_with_empty_items_and_segments():
     items = items_from_groups([0, 0, 2, 2], [0, 1, 2, 3], [0, 5, 0, 0], [40, 5, 70, 3], [0, 2, 2],
                               [0, 1, 2], 4, q_tokens=np.array([40, 73, 73]))
     for max_len in (16, 30, [10, 1, 20, 5]):
-        assert_same_items(split_long_items(items, max_len), split_reference(items, max_len))
+        for align in (1, 16, 24):
+            assert_same_items(split_long_items(items, max_len, align=align),
+                              split_reference(items, max_len, align=align))
 
 
 def test_take_keeps_content(rng):
@@ -104,5 +106,6 @@ def test_deferred_items_summary_matches_made_items(rng, strategy):
             np.testing.assert_array_equal(deferred.item_queries, made.q_indptr[1:] - made.q_indptr[:-1])
             assert deferred.num_items == made.num_items
             used = (deferred.item_len > 0) & (deferred.item_queries > 0)
+            assert deferred.used_merge_rows() == made.merge_rows_max(used)
             for subset in (used, used & (rng.random(used.size) < 0.5), np.zeros_like(used)):
                 assert deferred.merge_rows_max(subset) == made.merge_rows_max(subset)

@@ -40,7 +40,8 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     bounds = [0, *itertools.accumulate(sizes)]
     length = np.concatenate([it.item_len for it in unique])
     nq = np.concatenate([it.item_queries for it in unique])
-    used = (length > 0) & (nq > 0)
+    item_tokens = nq * length
+    used = item_tokens > 0  # (with tokens and queries)
     # per set: (item, query) pairs and tokens over the used items (an unused item adds no
     # tokens: its length or queries are 0), summed over the runs of the sets with items
     pairs_of, tokens_of = [0] * len(unique), [0] * len(unique)
@@ -48,7 +49,7 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     if filled:
         starts = [bounds[i] for i in filled]
         for i, p, t in zip(filled, np.add.reduceat(nq * used, starts).tolist(),
-                           np.add.reduceat(nq * length, starts).tolist()):
+                           np.add.reduceat(item_tokens, starts).tolist()):
             pairs_of[i], tokens_of[i] = p, t
     flagged = lead = None
     if any(it.masked is not None for it in unique):
@@ -61,7 +62,8 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
             if lead is not None and it.mask_lead is not None:
                 lead[a:b] = it.mask_lead
         flagged &= used
-    set_of = np.where(used, np.arange(len(unique)).repeat(sizes), len(unique))
+    set_of = np.arange(len(unique)).repeat(sizes)
+    set_of[~used] = len(unique)  # (unused items count in no set)
     # sets whose unmasked items the planner knows to read runs of slots: their launches may load
     # through TMA, rated from their units' mean length
     runs = [it.unmasked_runs for it in unique] if tma_loads(heads, cost) else []

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from treeattn.plan.cost import CostModel
-from treeattn.plan.items import WorkItems, glued_items
+from treeattn.plan.items import WorkItems, chain_jumps, glued_items
 from treeattn.plan.packing import LeafPackingPlanner
 from treeattn.plan.plan import HeadConfig
 from treeattn.plan.split import spread_items
@@ -65,8 +65,9 @@ def _edge_rounds(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> tuple
     through = topo.path_tokens + tree.lengths
     costs = _exact_costs if _exact(cost, int(rows.max()), int(through.max())) else _float_costs
     decide = costs(cost, nq, len_l)
-    depth_bits = int(topo.depth.max()).bit_length()
+    jumps = chain_jumps(tree)
     ids = np.arange(glued.size)
+    moved = np.zeros(kids.size + 1, dtype=np.int64)  # (rows glued edges take, summed over the edges before each)
     # the first guess, nothing assigned: a parent's chain is the parent, its rows all its own
     assigned, len_v, nq_cur, top = np.zeros(kids.size, dtype=bool), tree.lengths[par], rows_v, None
     while True:
@@ -75,12 +76,11 @@ def _edge_rounds(tree: DecodingTree, rows: np.ndarray, cost: CostModel) -> tuple
             return glued, top
         glued[kids] = assigned = now
         top = np.where(glued, tree.parents, ids)
-        for _ in range(depth_bits):
+        for _ in range(jumps):
             top = top[top]
         len_v = (through - topo.path_tokens[top])[par]
-        moved = nq * assigned  # rows that glued children take from the parent
-        before = moved.cumsum() - moved
-        nq_cur = rows_v - (before - before[sib])  # earlier siblings only
+        (nq * assigned).cumsum(out=moved[1:])  # rows that glued children take from the parent
+        nq_cur = rows_v - (moved[:-1] - moved[sib])  # earlier siblings only
 
 
 def _exact(cost: CostModel, rows: int, tokens: int) -> bool:
@@ -120,21 +120,24 @@ def _float_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
 
 def _exact_costs(cost: CostModel, nq: np.ndarray, len_l: np.ndarray):
     """:func:`_float_costs` for integral terms: ``split_kv - split_q > 0`` in int64, expanded
-    (``nq_rest = nq_cur - nq``; the ``alpha * Pad(nq_l) * len_l`` terms cancel) to
-    ``len_v * (a * (Pad(nq_cur) - Pad(nq_rest)) - a * Pad(nq_l)) + b * nq_l * (Pad(min(len_v,
-    TS_c)) - Pad(min(len_v + len_l, TS_c))) + b * nq_l * Pad(min(len_l, TS_c)) + g * nq_l``."""
+    (``nq_rest = nq_cur - nq``; the ``alpha * Pad(nq_l) * len_l`` terms cancel) to ``a * len_v *
+    (Pad(nq_cur) - Pad(nq_rest) - Pad(nq_l)) + b * nq_l * (Pad(min(len_v, TS_c)) - Pad(min(len_v +
+    len_l, TS_c))) + b * nq_l * Pad(min(len_l, TS_c)) + g * nq_l``. As ``Pad(x) = -x mod TS_q``,
+    ``Pad(nq_rest) = Pad(nq_cur) - Pad(nq_l) mod TS_q``: the first factor is ``-TS_q`` where
+    ``Pad(nq_cur) < Pad(nq_l)``, else 0."""
     a, b, g = int(cost.fasttree_alpha), int(cost.fasttree_beta), int(cost.fasttree_gamma)
     tq, tc = cost.fasttree_tile_q, cost.fasttree_tile_kv
-    a_pad_q_l, b_nq = a * _padding(nq, tq), b * nq
+    pad_q_l, b_nq = _padding(nq, tq), b * nq
     const = b_nq * _padding(np.minimum(len_l, tc), tc) + g * nq
+    # the terms of len_v alone, for the last one (the later rounds mostly change no parent's chain)
+    terms = {}
 
     def decide(len_v, nq_cur):
-        per_token = _padding(nq_cur, tq) - _padding(nq_cur - nq, tq)
-        if a != 1:
-            per_token *= a
-        per_token -= a_pad_q_l
-        pad_kv = _padding(np.minimum(len_v, tc), tc) - _padding(np.minimum(len_v + len_l, tc), tc)
-        return len_v * per_token + b_nq * pad_kv + const > 0
+        key = len_v.tobytes()
+        if terms.get("len_v") != key:
+            pad_kv = _padding(np.minimum(len_v, tc), tc) - _padding(np.minimum(len_v + len_l, tc), tc)
+            terms.update(len_v=key, kv=b_nq * pad_kv + const, q=a * tq * len_v)
+        return terms["kv"] > terms["q"] * (_padding(nq_cur, tq) < pad_q_l)
     return decide
 
 

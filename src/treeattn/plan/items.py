@@ -296,13 +296,12 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
     the bottom of such a chain on their path. The chains (segments) are made when first read.
     ``top`` (the top of each node's chain), when the caller has it, saves finding it again.
     """
-    n, parents, topo = tree.num_nodes, tree.parents, tree.topology
+    parents, topo = tree.parents, tree.topology
     glued = glued & (parents >= 0)
     # top of each node's chain, by pointer jumping
-    ids = np.arange(n)
     if top is None:
-        top = np.where(glued, parents, ids)
-        for _ in range(int(topo.depth.max()).bit_length()):
+        top = np.where(glued, parents, np.arange(tree.num_nodes))
+        for _ in range(chain_jumps(tree)):
             top = top[top]
     # a chain's tokens: those (seen) on the path to its bottom, less those above its top
     extent = tree.node_extent
@@ -313,22 +312,55 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
     kids = np.flatnonzero(glued)
     item_queries = sub.copy()
     np.subtract.at(item_queries, parents[kids], sub[kids])
+    return _ChainItems(tree, glued, top, item_len, item_queries)
 
-    @functools.cache
-    def bottom_pairs() -> tuple:
+
+def chain_jumps(tree: DecodingTree) -> int:
+    """The pointer jumps ``top = top[top]`` that take ``top = where(glued, parents, ids)`` to the
+    top of every node's chain of glued edges: each doubles the edges a node has climbed, and a
+    chain has at most the tree's depth of them."""
+    return max(int(tree.topology.depth.max()) - 1, 0).bit_length()
+
+
+class _ChainItems(DeferredItems):
+    """:func:`glued_items`' items, item ``b`` the chain whose bottom is node ``b``: the queries of
+    b's subtree but those of its glued children's subtrees. Their leaf items come from the tree's
+    query counts, and a query's merge rows and weights from ranges of the queries in depth-first
+    order; the (item, query) pairs are listed only when asked for or made. ``top``: the top of
+    each node's chain."""
+
+    def __init__(self, tree: DecodingTree, glued: np.ndarray, top: np.ndarray, item_len: np.ndarray,
+                 item_queries: np.ndarray):
+        super().__init__(item_len, item_queries, self._chains)
+        self.__dict__.update(_tree=tree, _glued=glued, _top=top)
+
+    def leaf_items(self, tree: DecodingTree) -> np.ndarray:
+        # a chain of one node (its own top) is one segment of it; every query at b that sees a
+        # token of b's own ends its path at b, so it is in item b: all the item's queries sit at b
+        # iff as many as those
+        nq = self.item_queries
+        return (self._top == np.arange(nq.size)) & (nq > 0) & (queries_at_nodes(tree) == nq)
+
+    @functools.cached_property
+    def _bottom_pairs(self) -> tuple:
         # pairs by node: a pair's node is the bottom of a chain unless the next node on its
         # query's path is glued to it; a query sees its items whole, but for the item ending at
         # its own (effective) node, of which it sees the first ``visible`` tokens
-        q, node, nxt, visible = tree.pairs_by_node  # zero-length nodes kept: they can carry glue
-        bottom = ~np.append(glued, False)[nxt]
+        q, node, nxt, visible = self._tree.pairs_by_node  # zero-length nodes kept: they can carry glue
+        bottom = ~np.append(self._glued, False)[nxt]
         return node[bottom], q[bottom], visible[bottom]
 
-    def make() -> WorkItems:
-        chain_len = topo.depth - topo.depth[top] + 1
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._bottom_pairs[:2]
+
+    def _chains(self) -> WorkItems:
+        tree, glued, top = self._tree, self._glued, self._top
+        parents, depth, extent = tree.parents, tree.topology.depth, tree.node_extent
+        chain_len = depth - depth[top] + 1
         seg_indptr = _indptr(chain_len)
         # chain of every node: walk up from its own (last) slot of the chain, one level per step
         chain = np.empty(int(seg_indptr[-1]), dtype=np.int64)
-        pos, cur = seg_indptr[1:] - 1, np.arange(n)
+        pos, cur = seg_indptr[1:] - 1, np.arange(top.size)
         chain[pos] = cur
         cur = np.flatnonzero(chain_len > 1)
         pos = pos[cur]
@@ -337,30 +369,10 @@ def glued_items(tree: DecodingTree, glued: np.ndarray, top: np.ndarray | None = 
             chain[pos] = cur
             up = glued[cur]
             pos, cur = pos[up], cur[up]
-        b, q, visible = bottom_pairs()
-        q_tokens = (item_len - extent)[b] + visible
-        return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(item_queries), q, q_tokens)
-
-    # a chain of one node is one segment of it
-    items = _ChainItems(item_len, item_queries, make, single_nodes=np.where(top == ids, ids, -1))
-    items.__dict__.update(_bottom_pairs=bottom_pairs, _tree=tree, _glued=glued)
-    return items
-
-
-class _ChainItems(DeferredItems):
-    """:func:`glued_items`' items, item ``b`` the chain whose bottom is node ``b``: the queries of
-    b's subtree but those of its glued children's subtrees. Their leaf items come from the tree's
-    query counts, and a query's merge rows and weights from ranges of the queries in depth-first
-    order; the (item, query) pairs are listed only when asked for or made."""
-
-    def leaf_items(self, tree: DecodingTree) -> np.ndarray:
-        # every query at b that sees a token of b's own ends its path at b, so it is in item b:
-        # all the item's queries sit at b iff as many as those
-        nq = self.item_queries
-        return (self._single_nodes >= 0) & (nq > 0) & (queries_at_nodes(tree) == nq)
-
-    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._bottom_pairs()[:2]
+        b, q, visible = self._bottom_pairs
+        q_tokens = (self.item_len - extent)[b] + visible
+        return WorkItems(seg_indptr, chain, np.zeros_like(chain), extent[chain], _indptr(self.item_queries), q,
+                         q_tokens)
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         rows = self.query_weights(used)
@@ -369,7 +381,7 @@ class _ChainItems(DeferredItems):
     def query_weights(self, per_item: np.ndarray) -> np.ndarray:
         # a glued child's range weighs its own item less its parent's
         tree = self._tree
-        per_item = per_item.astype(np.int64)
+        per_item = per_item.astype(np.int64, copy=False)
         order, lo, hi = query_ranges(tree)
         return range_weights(order, lo, hi, per_item - self._glued * per_item[tree.parents], tree.num_queries)
 

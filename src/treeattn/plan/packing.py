@@ -55,20 +55,20 @@ def pack_leaf_items(items: WorkItems, tree: DecodingTree, k: int, *, group: int,
     if k < 2 or n < 2:
         return items
     nq = items.item_queries
-    leaf = (items.leaf_items(tree) if leaf is None else leaf) & (nq * group * k <= rows) & \
-        (items.item_len * k <= max_tokens)
-    if np.count_nonzero(leaf) < 2:
+    leaf = (items.leaf_items(tree) if leaf is None else leaf) & (nq <= rows // (group * k)) & \
+        (items.item_len <= max_tokens // k)
+    num_leaves = int(np.count_nonzero(leaf))
+    if num_leaves < 2:
         return items
-    return _PackedItems(items, leaf, k)
+    return _PackedItems(items, leaf, k, num_leaves)
 
 
 class _PackedItems(DeferredItems):
     """:func:`pack_leaf_items`'s result: the items of ``source`` not flagged in ``leaf``, then
-    its flagged ones ``k`` at a time, each in order."""
+    its ``num_leaves`` flagged ones ``k`` at a time, each in order."""
 
-    def __init__(self, source: WorkItems, leaf: np.ndarray, k: int):
+    def __init__(self, source: WorkItems, leaf: np.ndarray, k: int, num_leaves: int):
         n = source.num_items
-        num_leaves = int(np.count_nonzero(leaf))
         num_others = n - num_leaves
         tail = bool(leaf[num_others:].all())  # the leaf items come last (tree order): nothing moves
         others, leaves = (slice(num_others), slice(num_others, n)) if tail else (~leaf, leaf)
@@ -79,7 +79,7 @@ class _PackedItems(DeferredItems):
         masked[-1] = num_leaves - groups[-1] > 1
         super().__init__(np.concatenate((length[others], np.add.reduceat(length[leaves], groups))),
                          np.concatenate((nq[others], np.add.reduceat(nq[leaves], groups))), self._pack, masked=masked)
-        leaves_used = bool(((length[leaves] > 0) & (nq[leaves] > 0)).all())
+        leaves_used = min(length[leaves].min(), nq[leaves].min()) > 0
         self.__dict__.update(source=source, leaf=leaf, k=k, tail=tail, leaves_used=leaves_used)
 
     def used_merge_rows(self, used: np.ndarray | None = None) -> int:

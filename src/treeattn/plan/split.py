@@ -3,6 +3,8 @@ at which planners split for parallelism (to fill the GPU, or items longer than a
 work)."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from treeattn.plan.items import DeferredItems, WorkItems, _indptr
@@ -19,13 +21,25 @@ def split_long_items(items: WorkItems, max_len: np.ndarray | int, *, align: int 
 
     The chunks' segments and queries are made when first read (:class:`_SplitItems`)."""
     length = items.item_len
-    max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
-    if not (length > max_len).any():
-        return items
-    chunks = np.maximum(1, -(-length // max_len))
-    chunk_len = -(-length // chunks)
-    chunk_len = np.minimum(np.maximum(align, -(-chunk_len // align) * align), np.maximum(length, 1))
-    chunks = np.maximum(1, -(-length // chunk_len))
+    if isinstance(max_len, (int, np.integer)):
+        max_len = max(int(max_len), 1)
+        if length.size == 0 or int(length.max()) <= max_len:
+            return items
+    else:
+        max_len = np.maximum(np.asarray(max_len, dtype=np.int64), 1)
+        if not (length > max_len).any():
+            return items
+    # ceil(a / b) as (a - 1) // b + 1 of a >= 1: an empty item counts as one token (one chunk of
+    # length 1 either way), so every chunk count is at least 1 and every rounded length at least
+    # ``align`` without clamping them
+    whole = np.maximum(length, 1)
+    less = whole - 1
+    chunks = less // max_len + 1
+    # each chunk's share rounded up to ``align`` (for a power of two by a mask, cheaper than //),
+    # at most the item
+    share = less // chunks + align
+    chunk_len = np.minimum(share & -align if align & (align - 1) == 0 else share // align * align, whole)
+    chunks = less // chunk_len + 1
     return _SplitItems(items, chunks, chunk_len)
 
 
@@ -34,23 +48,38 @@ class _SplitItems(DeferredItems):
     ``i`` of ``source`` (the last one shorter)."""
 
     def __init__(self, source: WorkItems, chunks: np.ndarray, chunk_len: np.ndarray):
-        n = source.num_items
         base = _indptr(chunks)
-        chunk_item = np.arange(n).repeat(chunks)
-        cl = chunk_len[chunk_item]
-        offset = (np.arange(int(base[-1])) - base[chunk_item]) * cl
-        length = np.minimum(cl, source.item_len[chunk_item] - offset)
+        # an item's chunks are all chunk_len long but its last, which holds the rest
+        length = chunk_len.repeat(chunks)
+        length[base[1:] - 1] = source.item_len - (chunks - 1) * chunk_len
         masked = mask_lead = None
+        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_base=base)
         if source.mask_lead is not None and source.masked is not None:
             # a chunk's lead is the part of its item's lead that falls in it (np.clip costs
             # several times more than its two ufuncs)
-            item_lead = source.mask_lead[chunk_item]
-            lead = np.minimum(np.maximum(item_lead - offset, 0), length)
-            masked = source.masked[chunk_item] & (lead < length)
+            start = (np.arange(length.size) - base[:-1].repeat(chunks)) * chunk_len.repeat(chunks)
+            item_lead = source.mask_lead.repeat(chunks)
+            lead = np.minimum(np.maximum(item_lead - start, 0), length)
+            masked = source.masked.repeat(chunks) & (lead < length)
             mask_lead = np.where(item_lead < 0, -1, lead)
-        super().__init__(length, source.item_queries[chunk_item], self._split, masked=masked, mask_lead=mask_lead)
-        self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_item=chunk_item,
-                             chunk_base=base)
+        super().__init__(length, source.item_queries.repeat(chunks), self._split, masked=masked, mask_lead=mask_lead)
+
+    @functools.cached_property
+    def chunk_item(self) -> np.ndarray:
+        """int64 [chunks]: the source item of each chunk."""
+        return np.arange(self.chunks.size).repeat(self.chunks)
+
+    def used_merge_rows(self, used: np.ndarray | None = None) -> int:
+        rows = self.__dict__.get("_used_merge_rows")
+        if rows is None:
+            if used is None:
+                used = (self.item_len > 0) & (self.item_queries > 0)
+            # a chunk has tokens iff its item has, and the item's queries: an item's chunks are
+            # all used or none, as its first one, and each used item weighs its chunks
+            weights = self.source.query_weights(self.chunks if used.all() else
+                                                self.chunks * used[self.chunk_base[:-1]])
+            rows = self.__dict__["_used_merge_rows"] = int(weights.max()) if weights.size else 0
+        return rows
 
     def merge_rows_max(self, used: np.ndarray) -> int:
         # each query of a source item is in that item's used chunks: no need to make the chunks'
@@ -120,16 +149,17 @@ def fill_length(items: WorkItems, heads, cost, *, tile_rows: int = 64) -> tuple[
     """When the items' programs (query tiles of ``tile_rows`` rows, per KV head) cannot fill the
     GPU (``cost.target_programs``): the length that splits them evenly into about that many, and
     a note; else ``(None, "")``; ``(None, None)`` without items."""
-    item_len = items.item_len
-    used = (item_len > 0) & (items.item_queries > 0)
-    if not used.any():
-        return None, None
+    item_len, nq = items.item_len, items.item_queries
     q_tile = max(1, tile_rows // heads.group)
-    programs = int((-(-items.item_queries[used] // q_tile)).sum()) * heads.num_kv_heads
+    # (sums over the items with tokens and queries: an item without either adds no tiles or no
+    # tokens, so none are used iff there are no tiles)
+    programs = int(((nq + (q_tile - 1)) // q_tile) @ (item_len > 0)) * heads.num_kv_heads
+    if not programs:
+        return None, None
     if programs >= cost.target_programs:
         return None, ""
     per_head = max(1, cost.target_programs // heads.num_kv_heads)
-    max_len = max(cost.min_split_tokens, -(-int(item_len[used].sum()) // per_head))
+    max_len = max(cost.min_split_tokens, -(-int(item_len @ (nq > 0)) // per_head))
     return max_len, f"; long contexts split at {max_len} tokens ({programs} programs < {cost.target_programs})"
 
 
@@ -146,10 +176,11 @@ def fair_share_length(items: WorkItems, *, group: int, num_kv_heads: int, tile_r
     longer than it (and than ``min_len``) are to be split into chunks of about that length.
     """
     length, nq = items.item_len, items.item_queries
-    used = (length > 0) & (nq > 0)
-    if not used.any():
+    # (over the items with tokens and queries: an item without either walks no tokens, so none are
+    # used iff there is no work)
+    work = int(((nq * group + (tile_rows - 1)) // tile_rows) @ length)
+    if not work:
         return None
-    tiles = -(-(nq[used] * group) // tile_rows)
-    share = -(-int(tiles @ length[used]) * num_kv_heads // max(1, slots))
+    share = -(-work * num_kv_heads // max(1, slots))
     max_len = max(share, min_len)
-    return None if int(length[used].max()) <= max_len else max_len
+    return None if int((length * (nq > 0)).max()) <= max_len else max_len
