@@ -24,7 +24,7 @@ TALL_CONTIG_WAVES = 6
 #: device has TMA (:func:`tma_launches`) whose units average, for each ``(waves, tokens)`` of
 #: TMA_MIN_TOKENS, ``tokens`` or more with at most ``waves`` x SMs programs
 TILE_TALL_TMA = (128, 8, 3)
-TMA_MIN_TOKENS = ((0.75, 384), (TALL_CONTIG_WAVES, 2048))
+TMA_MIN_TOKENS = ((0.75, 384), (1, 1024), (TALL_CONTIG_WAVES, 2048))
 #: Gathered launches of GATHERED_NARROW_ROWS-row tiles over long items with at least
 #: GATHERED_NARROW_WAVES waves of programs run GATHERED_NARROW_WARPS warps a program
 GATHERED_NARROW_ROWS = 32
@@ -138,10 +138,10 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, n
 
     Launches of fewer programs than SMs pay from shorter units on (the wide tile's three stages
     fill an SM's shared memory: one program a SM, beside the plan's other launches). On the
-    context chunks of Medusa trees (H100, benchmarks/probe_spec.py ``splits``, NOTES.md session
-    27): 1.04-1.32x faster at 32-96 programs over 400-1250 tokens, but at 128-256 programs only
-    0.99-1.08x over 500-1250 tokens and 0.80-0.99x over 375-400, and 0.80-0.97x over 133-417
-    tokens at any count.
+    context chunks of Medusa trees (H100, benchmarks/probe_spec.py ``splits``, NOTES.md sessions
+    27-28): 1.04-1.32x faster at 32-96 programs over 400-1250 tokens; at 128 programs 1.08x over
+    1250 tokens but 0.99-1.00x over 625-750 and 0.80-0.89x over 375-400; at 192-384 programs
+    0.97-1.06x over 417-833 tokens.
     """
     out = []
     for ln in launches:
