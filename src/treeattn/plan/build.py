@@ -207,8 +207,10 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # plan has none: a mask added later, for decode windows, applies everywhere)
     item_partial = np.bincount(q_item[partial], minlength=items.num_items) if needs_mask else None
     item_masked = item_partial > 0 if needs_mask else np.ones(items.num_items, dtype=bool)
-    keep = np.flatnonzero((length > 0) & (nq > 0))
-    length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
+    used = (length > 0) & (nq > 0)
+    keep = None if used.all() else np.flatnonzero(used)  # (None: every item, in order)
+    if keep is not None:
+        length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
     # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
     # (query tile, KV tile config); ``shape`` numbers them in launch order
     m_choices = np.array(_block_m_choices(group))
@@ -219,21 +221,30 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     if len(kv_cfgs) > 1:
         shape += (length > SHORT_ITEM_TOKENS) == (kv_cfgs[1] == long_cfg)
     # launch order: by shape, longest items first inside a launch so the long programs start
-    # early (less tail)
-    order = np.lexsort((-length, shape))
-    length, nq, shape, item_masked = length[order], nq[order], shape[order], item_masked[order]
-    keep = keep[order]
-    n_items = keep.size
+    # early (less tail). One key for both (lengths are positive): its stable sort is
+    # lexsort((-length, shape)), and the planners' items often come in this order already
+    n_items = length.size
+    key = shape * (int(length.max()) + 1) - length if n_items else shape
+    if not (key[1:] >= key[:-1]).all():
+        order = np.argsort(key, kind="stable")
+        length, nq, shape, item_masked = length[order], nq[order], shape[order], item_masked[order]
+        keep = order if keep is None else keep[order]
     block_m = m_choices[shape // len(kv_cfgs)]
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
     # segments and queries, item after item
-    seg_start, seg_end = items.seg_indptr[keep], items.seg_indptr[keep + 1]
-    nseg = seg_end - seg_start
-    seg = ranges(seg_start, seg_end)
-    seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
-    q_start = items.q_indptr[keep]
-    row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
+    if keep is None:  # (all the planner's segments and queries, as they are)
+        seg_all = slice(int(items.seg_indptr[0]), int(items.seg_indptr[-1]))
+        nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
+        seg_node, seg_lo, seg_hi = items.seg_node[seg_all], items.seg_lo[seg_all], items.seg_hi[seg_all]
+        row_q = items.q_indices[int(items.q_indptr[0]): int(items.q_indptr[-1])]
+    else:
+        seg_start, seg_end = items.seg_indptr[keep], items.seg_indptr[keep + 1]
+        nseg = seg_end - seg_start
+        seg = ranges(seg_start, seg_end)
+        seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
+        q_start = items.q_indptr[keep]
+        row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
     # KV slots
     seg_len = seg_hi - seg_lo
     seg_kv = seg_len.cumsum() - seg_len  # each segment's first entry
@@ -267,12 +278,14 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # added later sets its own starts)
     item_mask_start = item_kv_start + length
     if needs_mask:
-        new_item = np.empty(items.num_items, dtype=np.intp)
-        new_item[keep] = np.arange(n_items)
         runs = np.flatnonzero(item_partial)  # (pairs are grouped by item, in the planner's order)
+        if keep is not None:  # (the items' new numbers)
+            new_item = np.empty(items.num_items, dtype=np.intp)
+            new_item[keep] = np.arange(n_items)
         span = tree.kv_indices.size + 1  # above every segment end and prefix
         item_mask_start = _seen_whole_until(
-            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, new_item[runs],
+            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span,
+            runs if keep is None else new_item[runs],
             item_partial[runs], seg_tin * span + seg_hi, seg_tout, seg_kv, nseg, item_mask_start)
     work_mask_start = item_mask_start[w_item]
     merge_order = group_order(row_q, tree.num_queries)
