@@ -85,22 +85,24 @@ def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
 
 
 def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
-               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The KV slot list of segments of ``count`` entries from ``tree.kv_indices[start]`` on, the
-    segment's first entry at ``entry``: int32 the slots, concatenated, and int64 their
-    :func:`~treeattn.topology.slot_breaks`."""
+    segment's first entry at ``entry``: int32 the slots, concatenated, int64 their
+    :func:`~treeattn.topology.slot_breaks`, and the pool slots it needs (its largest + 1, 0 if
+    empty)."""
     if not count.all():
         nonempty = np.flatnonzero(count)
         start, count, entry = start[nonempty], count[nonempty], entry[nonempty]
     breaks = tree.slot_breaks
-    if breaks.size == 0 or (np.searchsorted(breaks, start, side="right") ==
-                            np.searchsorted(breaks, start + count, side="left")).all():
+    if breaks.size == 0 or (breaks.searchsorted(start, side="right") ==
+                            breaks.searchsorted(start + count, side="left")).all():
         # every segment is a run of slots (no break inside): the list is made from the segments'
         # first slots, and so are its breaks, without a per-entry gather or compare
         first = tree.kv_indices[start]
+        end = first + count  # (past each segment's last slot)
         slots = np.arange(entry[-1] + count[-1] if count.size else 0, dtype=np.int32)
         slots += (first - entry).astype(np.int32).repeat(count)
-        return slots, entry[1:][first[1:] != first[:-1] + count[:-1]]
+        return slots, entry[1:][first[1:] != end[:-1]], int(end.max()) if count.size else 0
     if count.size * _SLICE_MIN_TOKENS <= count.sum():  # (some segment: none takes the path above)
         # long segments: slice copies are cheaper than a per-token index array
         kv = tree.kv_indices
@@ -108,7 +110,7 @@ def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
     else:
         idx = ranges(start, start + count)
         slots = np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
-    return slots, slot_breaks(slots)
+    return slots, slot_breaks(slots), int(slots.max()) + 1
 
 
 def segment_records(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray) -> np.ndarray:
@@ -130,7 +132,7 @@ def mask_rows(seg_rec: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray) -> n
     return rec.view(_RECORD).ravel().repeat(seg_len).view(np.int32).reshape(-1, 4)
 
 
-def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pairs: np.ndarray,
+def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray | None, run_pairs: np.ndarray,
                       seg_key: np.ndarray, seg_tout: np.ndarray, seg_kv: np.ndarray, nseg: np.ndarray,
                       item_end: np.ndarray) -> np.ndarray:
     """int64 [items]: the first KV entry of each item's first segment that some of its queries
@@ -138,20 +140,22 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pair
 
     Only the queries that see part of their item count: their keys ``tin * span + prefix``
     (``key``, ``tin`` of the query's node) come in runs of ``run_pairs``, one for each item
-    ``run_item``; the others see every segment whole. A segment (``seg_key = tin * span + hi``,
-    of node ``u`` ending at ``hi``) is seen whole by an item's such queries iff ``u`` is an
-    ancestor-or-self of each one's node and ``hi`` is within the prefix of those whose node it
-    is: with pre-order numbers, ``tin[u] <= min tin <= max tin < tout[u]``, ``u`` being some
-    query's node iff ``tin[u]`` is the minimum, then ``hi`` at most the least prefix of that
-    node's queries. As ``span`` exceeds every ``hi`` and prefix, all but the last test is
-    ``seg_key <= min key`` and the last ``max key < tout[u] * span``.
+    ``run_item`` (None: every item, in order); the others see every segment whole. A segment
+    (``seg_key = tin * span + hi``, of node ``u`` ending at ``hi``) is seen whole by an item's
+    such queries iff ``u`` is an ancestor-or-self of each one's node and ``hi`` is within the
+    prefix of those whose node it is: with pre-order numbers,
+    ``tin[u] <= min tin <= max tin < tout[u]``, ``u`` being some query's node iff ``tin[u]`` is
+    the minimum, then ``hi`` at most the least prefix of that node's queries. As ``span`` exceeds
+    every ``hi`` and prefix, all but the last test is ``seg_key <= min key`` and the last
+    ``max key < tout[u] * span``.
     """
     first = run_pairs.cumsum() - run_pairs
-    # items without such queries get keys that make every segment whole
-    k_min = np.full(item_end.size, _NEVER, dtype=np.int64)
-    k_max = np.full(item_end.size, -1, dtype=np.int64)
-    k_min[run_item] = np.minimum.reduceat(key, first)
-    k_max[run_item] = np.maximum.reduceat(key, first)
+    k_min, k_max = np.minimum.reduceat(key, first), np.maximum.reduceat(key, first)
+    if run_item is not None:  # items without such queries get keys that make every segment whole
+        run_min, run_max = k_min, k_max
+        k_min = np.full(item_end.size, _NEVER, dtype=np.int64)
+        k_max = np.full(item_end.size, -1, dtype=np.int64)
+        k_min[run_item], k_max[run_item] = run_min, run_max
     whole = (seg_key <= k_min.repeat(nseg)) & (k_max.repeat(nseg) < seg_tout * span)
     # segments are in KV order: the least start of one not seen whole
     cut = np.minimum.reduceat(np.where(whole, _NEVER, seg_kv), nseg.cumsum() - nseg)
@@ -214,7 +218,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
     # (query tile, KV tile config); ``shape`` numbers them in launch order
     m_choices = np.array(_block_m_choices(group))
-    m_idx = np.minimum(np.searchsorted(m_choices, nq * group), m_choices.size - 1)
+    m_idx = np.minimum(m_choices.searchsorted(nq * group), m_choices.size - 1)
     long_cfg = TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256
     kv_cfgs = sorted({TILE_SHORT, long_cfg})  # KV tile configs by block_n
     shape = m_idx * len(kv_cfgs)
@@ -248,26 +252,26 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # KV slots
     seg_len = seg_hi - seg_lo
     seg_kv = seg_len.cumsum() - seg_len  # each segment's first entry
-    kv_indices, breaks = _slot_list(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len, seg_kv)
+    kv_indices, breaks, min_slots = _slot_list(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len, seg_kv)
     # entries holding the last token of their node: at most one per segment
     node_len = tree.lengths[seg_node]
     tail_seg = np.flatnonzero((seg_lo < node_len) & (node_len <= seg_hi))
     tail = (seg_kv + node_len - 1 - seg_lo)[tail_seg]
     item_bound = _indptr(length)  # each item's first entry, and the end
-    item_kv_start = item_bound[:-1]
-    # work units = query tiles
+    item_kv_start, item_kv_end = item_bound[:-1], item_bound[1:]
+    # work units = query tiles (``w_item``: the item of each; None: one tile per item)
     w_bound = _indptr(tiles)
     num_work = int(w_bound[-1])
-    if num_work == n_items:  # (one tile per item)
-        w_item = np.arange(n_items)
+    if num_work == n_items:
+        w_item = None
         work_row_indptr = _indptr(nq)
+        work_kv_start, work_kv_end = item_kv_start, item_kv_end
     else:
         w_item = np.arange(n_items).repeat(tiles)
         w_tile = np.arange(num_work) - w_bound[w_item]
         w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
         work_row_indptr = _indptr(w_rows)
-    work_kv_start = item_kv_start[w_item]
-    work_kv_end = item_bound[1:][w_item]
+        work_kv_start, work_kv_end = item_kv_start[w_item], item_kv_end[w_item]
     # tree mask: each entry's node range and position in its node, one record a node run
     mask, seg_mask = [None] * 3, [None] * 3
     if needs_mask:
@@ -276,18 +280,22 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         mask = [mask_rows(seg_mask[1], seg_len, seg_kv), q_tin, tree.query_prefix]
     # where each item's mask starts (its end if none; without a plan mask, every end: a mask
     # added later sets its own starts)
-    item_mask_start = item_kv_start + length
+    item_mask_start = item_kv_end
     if needs_mask:
         runs = np.flatnonzero(item_partial)  # (pairs are grouped by item, in the planner's order)
-        if keep is not None:  # (the items' new numbers)
+        run_item = None  # (every item, in order)
+        if keep is not None:  # the items' new numbers
             new_item = np.empty(items.num_items, dtype=np.intp)
             new_item[keep] = np.arange(n_items)
+            run_item = new_item[runs]
+        elif runs.size < n_items:
+            run_item = runs
         span = tree.kv_indices.size + 1  # above every segment end and prefix
         item_mask_start = _seen_whole_until(
-            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span,
-            runs if keep is None else new_item[runs],
-            item_partial[runs], seg_tin * span + seg_hi, seg_tout, seg_kv, nseg, item_mask_start)
-    work_mask_start = item_mask_start[w_item]
+            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, run_item,
+            item_partial if run_item is None else item_partial[runs], seg_tin * span + seg_hi, seg_tout,
+            seg_kv, nseg, item_mask_start)
+    work_mask_start = item_mask_start if w_item is None else item_mask_start[w_item]
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
@@ -351,10 +359,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
         "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
         "tree_mask": mask[0], "query_pos": mask[1], "query_prefix": mask[2]}, device)
-    min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     tail_node = seg_node[tail_seg].astype(np.intp, copy=False)
-    start_tails = np.searchsorted(tail, work_kv_start)
-    end_tails = np.searchsorted(tail, work_kv_end)
+    start_tails = tail.searchsorted(work_kv_start)
+    end_tails = tail.searchsorted(work_kv_end)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
@@ -373,7 +380,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       start_tails=start_tails, end_tails=end_tails,
                       tail_cover=_cover(start_tails, end_tails, tail.size),
                       work_mask_start=h["work_mask_start"],
-                      mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
+                      mask_tails=tail.searchsorted(work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
                       gather_launches=gather_launches, num_sms=cost.num_sms, tree=tree),
