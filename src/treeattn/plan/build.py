@@ -192,7 +192,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
     # (long-KV split) can leave a query of a partially visible node with nothing in a chunk;
     # such pairs are dropped, then items without tokens or queries.
-    if (items.seg_hi < items.seg_lo).any():
+    seg_len = items.seg_hi - items.seg_lo  # (every segment's, for now)
+    if seg_len.size and seg_len.min() < 0:
         raise ValueError("planner produced a segment with negative length")
     length = items.item_len
     q_item = np.arange(items.num_items).repeat(items.item_queries)
@@ -223,7 +224,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     kv_cfgs = sorted({TILE_SHORT, long_cfg})  # KV tile configs by block_n
     shape = m_idx * len(kv_cfgs)
     if len(kv_cfgs) > 1:
-        shape += (length > SHORT_ITEM_TOKENS) == (kv_cfgs[1] == long_cfg)
+        shape += length > SHORT_ITEM_TOKENS if kv_cfgs[1] == long_cfg else length <= SHORT_ITEM_TOKENS
     # launch order: by shape, longest items first inside a launch so the long programs start
     # early (less tail). One key for both (lengths are positive): its stable sort is
     # lexsort((-length, shape)), and the planners' items often come in this order already
@@ -241,16 +242,16 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         seg_all = slice(int(items.seg_indptr[0]), int(items.seg_indptr[-1]))
         nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
         seg_node, seg_lo, seg_hi = items.seg_node[seg_all], items.seg_lo[seg_all], items.seg_hi[seg_all]
+        seg_len = seg_len[seg_all]
         row_q = items.q_indices[int(items.q_indptr[0]): int(items.q_indptr[-1])]
     else:
         seg_start, seg_end = items.seg_indptr[keep], items.seg_indptr[keep + 1]
         nseg = seg_end - seg_start
         seg = ranges(seg_start, seg_end)
-        seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
+        seg_node, seg_lo, seg_hi, seg_len = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg], seg_len[seg]
         q_start = items.q_indptr[keep]
         row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
     # KV slots
-    seg_len = seg_hi - seg_lo
     seg_kv = seg_len.cumsum() - seg_len  # each segment's first entry
     kv_indices, breaks, min_slots = _slot_list(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len, seg_kv)
     # entries holding the last token of their node: at most one per segment
@@ -300,13 +301,19 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     if merge_order is None:
         merge_order = np.arange(row_q.size)
     q_rows = np.bincount(row_q, minlength=tree.num_queries)
-    merge_indptr = _indptr(q_rows)
-    row_direct = q_rows[row_q] == 1
-    num_direct = int(np.count_nonzero(row_direct))
-    merge_q = np.flatnonzero(q_rows != 1)
+    if row_q.size == q_rows.size and q_rows.max(initial=0) <= 1:  # (every query has one row)
+        merge_indptr, row_direct = np.arange(row_q.size + 1), np.ones(row_q.size, dtype=bool)
+        num_direct, merge_q = row_q.size, np.zeros(0, dtype=np.intp)
+    else:
+        merge_indptr = _indptr(q_rows)
+        row_direct = q_rows[row_q] == 1
+        num_direct = int(np.count_nonzero(row_direct))
+        merge_q = np.flatnonzero(q_rows != 1)
     # launches: items (so work units) are grouped by shape. A launch applies the tree mask when
     # one of its items needs it (an extra launch would cost more)
-    first = [0] + (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
+    first = [0]  # (shapes are sorted: one launch when the first and last agree)
+    if n_items and shape[0] != shape[-1]:
+        first += (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
     bounds = first + [n_items]
     kv_tiles = length * tiles  # KV entries of all of each item's work units
     launches, mask_entries, longest_s = [], 0, []
