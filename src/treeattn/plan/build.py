@@ -367,8 +367,13 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
         "tree_mask": mask[0], "query_pos": mask[1], "query_prefix": mask[2]}, device)
     tail_node = seg_node[tail_seg].astype(np.intp, copy=False)
-    start_tails = tail.searchsorted(work_kv_start)
-    end_tails = tail.searchsorted(work_kv_end)
+    if w_item is None:  # the units are the items, which partition the KV list: one holds each tail
+        bound_tails = tail.searchsorted(item_bound)
+        start_tails, end_tails = bound_tails[:-1], bound_tails[1:]
+        tail_cover = np.ones(tail.size, dtype=np.int64)
+    else:
+        start_tails, end_tails = tail.searchsorted(work_kv_start), tail.searchsorted(work_kv_end)
+        tail_cover = _cover(start_tails, end_tails, tail.size)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
@@ -385,7 +390,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       tail_seg=seg_mask[2],
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
-                      tail_cover=_cover(start_tails, end_tails, tail.size),
+                      tail_cover=tail_cover,
                       work_mask_start=h["work_mask_start"],
                       mask_tails=tail.searchsorted(work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
