@@ -128,7 +128,7 @@ def mask_rows(seg_rec: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray) -> n
     16-byte items, which numpy copies about 4x faster than three int32 rows (the lazy update's
     largest pass)."""
     rec = seg_rec.copy()
-    rec[:, 2] -= seg_kv
+    rec[:, 2] -= seg_kv.astype(np.int32)  # (an int64 operand would cast every element of the strided column)
     return rec.view(_RECORD).ravel().repeat(seg_len).view(np.int32).reshape(-1, 4)
 
 
@@ -164,9 +164,9 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray | None, r
 
 def _untailed(tail_node: np.ndarray, num_nodes: int) -> np.ndarray:
     """intp: the nodes not in ``tail_node``."""
-    tailed = np.zeros(num_nodes, dtype=bool)
-    tailed[tail_node] = True
-    return np.flatnonzero(~tailed)
+    untailed = np.ones(num_nodes, dtype=bool)
+    untailed[tail_node] = False
+    return np.flatnonzero(untailed)
 
 
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
@@ -302,8 +302,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         merge_order = np.arange(row_q.size)
     q_rows = np.bincount(row_q, minlength=tree.num_queries)
     if row_q.size == q_rows.size and q_rows.max(initial=0) <= 1:  # (every query has one row)
-        merge_indptr, row_direct = np.arange(row_q.size + 1), np.ones(row_q.size, dtype=bool)
-        num_direct, merge_q = row_q.size, np.zeros(0, dtype=np.intp)
+        merge_indptr, row_direct = np.arange(row_q.size + 1, dtype=np.int32), np.ones(row_q.size, dtype=np.int32)
+        num_direct, merge_q = row_q.size, np.zeros(0, dtype=np.int32)
     else:
         merge_indptr = _indptr(q_rows)
         row_direct = q_rows[row_q] == 1
