@@ -85,22 +85,24 @@ def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
 
 
 def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
-               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+               entry: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The KV slot list of segments of ``count`` entries from ``tree.kv_indices[start]`` on, the
-    segment's first entry at ``entry``: int32 the slots, concatenated, and int64 their
-    :func:`~treeattn.topology.slot_breaks`."""
+    segment's first entry at ``entry``: int32 the slots, concatenated, int64 their
+    :func:`~treeattn.topology.slot_breaks`, and the pool slots it needs (its largest + 1, 0 if
+    empty)."""
     if not count.all():
         nonempty = np.flatnonzero(count)
         start, count, entry = start[nonempty], count[nonempty], entry[nonempty]
     breaks = tree.slot_breaks
-    if breaks.size == 0 or (np.searchsorted(breaks, start, side="right") ==
-                            np.searchsorted(breaks, start + count, side="left")).all():
+    if breaks.size == 0 or (breaks.searchsorted(start, side="right") ==
+                            breaks.searchsorted(start + count, side="left")).all():
         # every segment is a run of slots (no break inside): the list is made from the segments'
         # first slots, and so are its breaks, without a per-entry gather or compare
         first = tree.kv_indices[start]
+        end = first + count  # (past each segment's last slot)
         slots = np.arange(entry[-1] + count[-1] if count.size else 0, dtype=np.int32)
         slots += (first - entry).astype(np.int32).repeat(count)
-        return slots, entry[1:][first[1:] != first[:-1] + count[:-1]]
+        return slots, entry[1:][first[1:] != end[:-1]], int(end.max()) if count.size else 0
     if count.size * _SLICE_MIN_TOKENS <= count.sum():  # (some segment: none takes the path above)
         # long segments: slice copies are cheaper than a per-token index array
         kv = tree.kv_indices
@@ -108,7 +110,7 @@ def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
     else:
         idx = ranges(start, start + count)
         slots = np.take(tree.kv_indices, idx, out=np.empty(idx.size, dtype=np.int32))  # (gather and cast in one pass)
-    return slots, slot_breaks(slots)
+    return slots, slot_breaks(slots), int(slots.max()) + 1
 
 
 def segment_records(seg_tin: np.ndarray, seg_tout: np.ndarray, seg_lo: np.ndarray) -> np.ndarray:
@@ -126,11 +128,11 @@ def mask_rows(seg_rec: np.ndarray, seg_len: np.ndarray, seg_kv: np.ndarray) -> n
     16-byte items, which numpy copies about 4x faster than three int32 rows (the lazy update's
     largest pass)."""
     rec = seg_rec.copy()
-    rec[:, 2] -= seg_kv
+    rec[:, 2] -= seg_kv.astype(np.int32)  # (an int64 operand would cast every element of the strided column)
     return rec.view(_RECORD).ravel().repeat(seg_len).view(np.int32).reshape(-1, 4)
 
 
-def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pairs: np.ndarray,
+def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray | None, run_pairs: np.ndarray,
                       seg_key: np.ndarray, seg_tout: np.ndarray, seg_kv: np.ndarray, nseg: np.ndarray,
                       item_end: np.ndarray) -> np.ndarray:
     """int64 [items]: the first KV entry of each item's first segment that some of its queries
@@ -138,20 +140,22 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pair
 
     Only the queries that see part of their item count: their keys ``tin * span + prefix``
     (``key``, ``tin`` of the query's node) come in runs of ``run_pairs``, one for each item
-    ``run_item``; the others see every segment whole. A segment (``seg_key = tin * span + hi``,
-    of node ``u`` ending at ``hi``) is seen whole by an item's such queries iff ``u`` is an
-    ancestor-or-self of each one's node and ``hi`` is within the prefix of those whose node it
-    is: with pre-order numbers, ``tin[u] <= min tin <= max tin < tout[u]``, ``u`` being some
-    query's node iff ``tin[u]`` is the minimum, then ``hi`` at most the least prefix of that
-    node's queries. As ``span`` exceeds every ``hi`` and prefix, all but the last test is
-    ``seg_key <= min key`` and the last ``max key < tout[u] * span``.
+    ``run_item`` (None: every item, in order); the others see every segment whole. A segment
+    (``seg_key = tin * span + hi``, of node ``u`` ending at ``hi``) is seen whole by an item's
+    such queries iff ``u`` is an ancestor-or-self of each one's node and ``hi`` is within the
+    prefix of those whose node it is: with pre-order numbers,
+    ``tin[u] <= min tin <= max tin < tout[u]``, ``u`` being some query's node iff ``tin[u]`` is
+    the minimum, then ``hi`` at most the least prefix of that node's queries. As ``span`` exceeds
+    every ``hi`` and prefix, all but the last test is ``seg_key <= min key`` and the last
+    ``max key < tout[u] * span``.
     """
     first = run_pairs.cumsum() - run_pairs
-    # items without such queries get keys that make every segment whole
-    k_min = np.full(item_end.size, _NEVER, dtype=np.int64)
-    k_max = np.full(item_end.size, -1, dtype=np.int64)
-    k_min[run_item] = np.minimum.reduceat(key, first)
-    k_max[run_item] = np.maximum.reduceat(key, first)
+    k_min, k_max = np.minimum.reduceat(key, first), np.maximum.reduceat(key, first)
+    if run_item is not None:  # items without such queries get keys that make every segment whole
+        run_min, run_max = k_min, k_max
+        k_min = np.full(item_end.size, _NEVER, dtype=np.int64)
+        k_max = np.full(item_end.size, -1, dtype=np.int64)
+        k_min[run_item], k_max[run_item] = run_min, run_max
     whole = (seg_key <= k_min.repeat(nseg)) & (k_max.repeat(nseg) < seg_tout * span)
     # segments are in KV order: the least start of one not seen whole
     cut = np.minimum.reduceat(np.where(whole, _NEVER, seg_kv), nseg.cumsum() - nseg)
@@ -160,9 +164,9 @@ def _seen_whole_until(key: np.ndarray, span: int, run_item: np.ndarray, run_pair
 
 def _untailed(tail_node: np.ndarray, num_nodes: int) -> np.ndarray:
     """intp: the nodes not in ``tail_node``."""
-    tailed = np.zeros(num_nodes, dtype=bool)
-    tailed[tail_node] = True
-    return np.flatnonzero(~tailed)
+    untailed = np.ones(num_nodes, dtype=bool)
+    untailed[tail_node] = False
+    return np.flatnonzero(untailed)
 
 
 def _cover(start_tails: np.ndarray, end_tails: np.ndarray, n_tails: int) -> np.ndarray:
@@ -188,7 +192,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # -- (item, query) pairs: how many of the item's tokens each query sees. Splitting an item
     # (long-KV split) can leave a query of a partially visible node with nothing in a chunk;
     # such pairs are dropped, then items without tokens or queries.
-    if (items.seg_hi < items.seg_lo).any():
+    seg_len = items.seg_hi - items.seg_lo  # (every segment's, for now)
+    if seg_len.size and seg_len.min() < 0:
         raise ValueError("planner produced a segment with negative length")
     length = items.item_len
     q_item = np.arange(items.num_items).repeat(items.item_queries)
@@ -207,56 +212,67 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # plan has none: a mask added later, for decode windows, applies everywhere)
     item_partial = np.bincount(q_item[partial], minlength=items.num_items) if needs_mask else None
     item_masked = item_partial > 0 if needs_mask else np.ones(items.num_items, dtype=bool)
-    keep = np.flatnonzero((length > 0) & (nq > 0))
-    length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
+    used = (length > 0) & (nq > 0)
+    keep = None if used.all() else np.flatnonzero(used)  # (None: every item, in order)
+    if keep is not None:
+        length, nq, item_masked = length[keep], nq[keep], item_masked[keep]
     # -- query tiles: PAT round-up, split only beyond the largest tile. One launch per shape
     # (query tile, KV tile config); ``shape`` numbers them in launch order
     m_choices = np.array(_block_m_choices(group))
-    m_idx = np.minimum(np.searchsorted(m_choices, nq * group), m_choices.size - 1)
+    m_idx = np.minimum(m_choices.searchsorted(nq * group), m_choices.size - 1)
     long_cfg = TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256
     kv_cfgs = sorted({TILE_SHORT, long_cfg})  # KV tile configs by block_n
     shape = m_idx * len(kv_cfgs)
     if len(kv_cfgs) > 1:
-        shape += (length > SHORT_ITEM_TOKENS) == (kv_cfgs[1] == long_cfg)
+        shape += length > SHORT_ITEM_TOKENS if kv_cfgs[1] == long_cfg else length <= SHORT_ITEM_TOKENS
     # launch order: by shape, longest items first inside a launch so the long programs start
-    # early (less tail)
-    order = np.lexsort((-length, shape))
-    length, nq, shape, item_masked = length[order], nq[order], shape[order], item_masked[order]
-    keep = keep[order]
-    n_items = keep.size
+    # early (less tail). One key for both (lengths are positive): its stable sort is
+    # lexsort((-length, shape)), and the planners' items often come in this order already
+    n_items = length.size
+    key = shape * (int(length.max()) + 1) - length if n_items else shape
+    if not (key[1:] >= key[:-1]).all():
+        order = np.argsort(key, kind="stable")
+        length, nq, shape, item_masked = length[order], nq[order], shape[order], item_masked[order]
+        keep = order if keep is None else keep[order]
     block_m = m_choices[shape // len(kv_cfgs)]
     q_per_tile = np.maximum(block_m // group, 1)
     tiles = -(-nq // q_per_tile)
     # segments and queries, item after item
-    seg_start, seg_end = items.seg_indptr[keep], items.seg_indptr[keep + 1]
-    nseg = seg_end - seg_start
-    seg = ranges(seg_start, seg_end)
-    seg_node, seg_lo, seg_hi = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg]
-    q_start = items.q_indptr[keep]
-    row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
+    if keep is None:  # (all the planner's segments and queries, as they are)
+        seg_all = slice(int(items.seg_indptr[0]), int(items.seg_indptr[-1]))
+        nseg = items.seg_indptr[1:] - items.seg_indptr[:-1]
+        seg_node, seg_lo, seg_hi = items.seg_node[seg_all], items.seg_lo[seg_all], items.seg_hi[seg_all]
+        seg_len = seg_len[seg_all]
+        row_q = items.q_indices[int(items.q_indptr[0]): int(items.q_indptr[-1])]
+    else:
+        seg_start, seg_end = items.seg_indptr[keep], items.seg_indptr[keep + 1]
+        nseg = seg_end - seg_start
+        seg = ranges(seg_start, seg_end)
+        seg_node, seg_lo, seg_hi, seg_len = items.seg_node[seg], items.seg_lo[seg], items.seg_hi[seg], seg_len[seg]
+        q_start = items.q_indptr[keep]
+        row_q = items.q_indices[ranges(q_start, q_start + nq)]  # a tile takes its item's queries in order
     # KV slots
-    seg_len = seg_hi - seg_lo
     seg_kv = seg_len.cumsum() - seg_len  # each segment's first entry
-    kv_indices, breaks = _slot_list(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len, seg_kv)
+    kv_indices, breaks, min_slots = _slot_list(tree, tree.kv_indptr[seg_node] + seg_lo, seg_len, seg_kv)
     # entries holding the last token of their node: at most one per segment
     node_len = tree.lengths[seg_node]
     tail_seg = np.flatnonzero((seg_lo < node_len) & (node_len <= seg_hi))
     tail = (seg_kv + node_len - 1 - seg_lo)[tail_seg]
     item_bound = _indptr(length)  # each item's first entry, and the end
-    item_kv_start = item_bound[:-1]
-    # work units = query tiles
+    item_kv_start, item_kv_end = item_bound[:-1], item_bound[1:]
+    # work units = query tiles (``w_item``: the item of each; None: one tile per item)
     w_bound = _indptr(tiles)
     num_work = int(w_bound[-1])
-    if num_work == n_items:  # (one tile per item)
-        w_item = np.arange(n_items)
+    if num_work == n_items:
+        w_item = None
         work_row_indptr = _indptr(nq)
+        work_kv_start, work_kv_end = item_kv_start, item_kv_end
     else:
         w_item = np.arange(n_items).repeat(tiles)
         w_tile = np.arange(num_work) - w_bound[w_item]
         w_rows = np.minimum(q_per_tile[w_item], nq[w_item] - w_tile * q_per_tile[w_item])
         work_row_indptr = _indptr(w_rows)
-    work_kv_start = item_kv_start[w_item]
-    work_kv_end = item_bound[1:][w_item]
+        work_kv_start, work_kv_end = item_kv_start[w_item], item_kv_end[w_item]
     # tree mask: each entry's node range and position in its node, one record a node run
     mask, seg_mask = [None] * 3, [None] * 3
     if needs_mask:
@@ -265,27 +281,39 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         mask = [mask_rows(seg_mask[1], seg_len, seg_kv), q_tin, tree.query_prefix]
     # where each item's mask starts (its end if none; without a plan mask, every end: a mask
     # added later sets its own starts)
-    item_mask_start = item_kv_start + length
+    item_mask_start = item_kv_end
     if needs_mask:
-        new_item = np.empty(items.num_items, dtype=np.intp)
-        new_item[keep] = np.arange(n_items)
         runs = np.flatnonzero(item_partial)  # (pairs are grouped by item, in the planner's order)
+        run_item = None  # (every item, in order)
+        if keep is not None:  # the items' new numbers
+            new_item = np.empty(items.num_items, dtype=np.intp)
+            new_item[keep] = np.arange(n_items)
+            run_item = new_item[runs]
+        elif runs.size < n_items:
+            run_item = runs
         span = tree.kv_indices.size + 1  # above every segment end and prefix
         item_mask_start = _seen_whole_until(
-            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, new_item[runs],
-            item_partial[runs], seg_tin * span + seg_hi, seg_tout, seg_kv, nseg, item_mask_start)
-    work_mask_start = item_mask_start[w_item]
+            (q_tin * span + tree.query_prefix)[items.q_indices[partial]], span, run_item,
+            item_partial if run_item is None else item_partial[runs], seg_tin * span + seg_hi, seg_tout,
+            seg_kv, nseg, item_mask_start)
+    work_mask_start = item_mask_start if w_item is None else item_mask_start[w_item]
     merge_order = group_order(row_q, tree.num_queries)
     if merge_order is None:
         merge_order = np.arange(row_q.size)
     q_rows = np.bincount(row_q, minlength=tree.num_queries)
-    merge_indptr = _indptr(q_rows)
-    row_direct = q_rows[row_q] == 1
-    num_direct = int(np.count_nonzero(row_direct))
-    merge_q = np.flatnonzero(q_rows != 1)
+    if row_q.size == q_rows.size and q_rows.max(initial=0) <= 1:  # (every query has one row)
+        merge_indptr, row_direct = np.arange(row_q.size + 1, dtype=np.int32), np.ones(row_q.size, dtype=np.int32)
+        num_direct, merge_q = row_q.size, np.zeros(0, dtype=np.int32)
+    else:
+        merge_indptr = _indptr(q_rows)
+        row_direct = q_rows[row_q] == 1
+        num_direct = int(np.count_nonzero(row_direct))
+        merge_q = np.flatnonzero(q_rows != 1)
     # launches: items (so work units) are grouped by shape. A launch applies the tree mask when
     # one of its items needs it (an extra launch would cost more)
-    first = [0] + (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
+    first = [0]  # (shapes are sorted: one launch when the first and last agree)
+    if n_items and shape[0] != shape[-1]:
+        first += (np.flatnonzero(shape[1:] != shape[:-1]) + 1).tolist()
     bounds = first + [n_items]
     kv_tiles = length * tiles  # KV entries of all of each item's work units
     launches, mask_entries, longest_s = [], 0, []
@@ -338,10 +366,14 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
         "merge_indices": merge_order, "row_direct": row_direct, "merge_q_indices": merge_q,
         "tree_mask": mask[0], "query_pos": mask[1], "query_prefix": mask[2]}, device)
-    min_slots = int(kv_indices.max()) + 1 if kv_indices.size else 0
     tail_node = seg_node[tail_seg].astype(np.intp, copy=False)
-    start_tails = np.searchsorted(tail, work_kv_start)
-    end_tails = np.searchsorted(tail, work_kv_end)
+    if w_item is None:  # the units are the items, which partition the KV list: one holds each tail
+        bound_tails = tail.searchsorted(item_bound)
+        start_tails, end_tails = bound_tails[:-1], bound_tails[1:]
+        tail_cover = np.ones(tail.size, dtype=np.int64)
+    else:
+        start_tails, end_tails = tail.searchsorted(work_kv_start), tail.searchsorted(work_kv_end)
+        tail_cover = _cover(start_tails, end_tails, tail.size)
     return Plan(
         strategy=strategy, requested_strategy=requested_strategy or strategy, heads=heads,
         num_queries=tree.num_queries, page_size=tree.page_size, min_slots=min_slots,
@@ -358,9 +390,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       tail_seg=seg_mask[2],
                       work_kv_start=h["work_kv_start"], work_kv_end=h["work_kv_end"],
                       start_tails=start_tails, end_tails=end_tails,
-                      tail_cover=_cover(start_tails, end_tails, tail.size),
+                      tail_cover=tail_cover,
                       work_mask_start=h["work_mask_start"],
-                      mask_tails=np.searchsorted(tail, work_mask_start) if needs_mask else None,
+                      mask_tails=tail.searchsorted(work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
                       gather_launches=gather_launches, num_sms=cost.num_sms, tree=tree),
