@@ -90,8 +90,10 @@ class CostModel:
     tma: bool = False
     #: how much faster than the fitted rates above such a launch runs, its SM time and its longest
     #: program, where the planner knows its items read runs (:attr:`WorkItems.unmasked_runs`;
-    #: other TMA launches are rated like pointer loads). Fitted on Medusa trees' context chunks on an
-    #: H100 (benchmarks/fit_tma_rate.py on results/h100_probe_spec_splits_f4f5c60.json)
+    #: other TMA launches are rated like pointer loads). Fitted on Medusa trees' context chunks in
+    #: 2-6 chunks on an H100 (benchmarks/fit_tma_rate.py on results/h100_probe_spec_splits_f4f5c60.json:
+    #: rms log error 0.14 on the 12 TMA plans; 1.75-2.25 pick within 5% of the fastest chunking on
+    #: all 8 trees, 1.0 on 4)
     tma_speedup: float = 2.0
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 7.06e-6
