@@ -1,10 +1,10 @@
 """Session 28's planning changes on the kernel-suite plans they change: TMA wide tiles for launches
-of fewer programs than SMs from 384 tokens (``TMA_MIN_TOKENS``' first entry,
-:func:`treeattn.plan.addressing.tma_pays`), the TMA rating of lead chunks on runs
-(``CostModel.tma_speedup``) and leads cut in 2 chunks (``LEAD_CHUNKS``). Each plan timed as
-planned now and as before (TMA from 2048 tokens only, no TMA rating, chunks 3, 4, 6), in the same
-process, under CUDA-graph replay (``bench kernels``' timing: side streams, ``do_bench`` median,
-L2 flushed), outputs checked against each other.
+of at most a wave of programs (``TMA_MIN_TOKENS``, :func:`treeattn.plan.addressing.tma_pays`),
+the TMA rating of items known to read runs (``CostModel.tma_speedup``: ``paths``' lead chunks,
+``node``'s items) and leads cut in 2 chunks (``LEAD_CHUNKS``). Each plan timed as planned now and
+as before (TMA from 2048 tokens only, no TMA rating, chunks 3, 4, 6), in the same process, under
+CUDA-graph replay (``bench kernels``' timing: side streams, ``do_bench`` median, L2 flushed),
+outputs checked against each other.
 
 Usage::
 
@@ -22,6 +22,7 @@ from treeattn import TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import provenance, time_run
 from treeattn.plan import addressing
+from treeattn.plan import node as node_planner
 from treeattn.plan import paths as paths_planner
 from treeattn.workloads import tree_from_spec
 
@@ -30,7 +31,9 @@ from treeattn.workloads import tree_from_spec
 CASES = ("8,16,32,256_512,512,256,32:32/8:auto", "8,16,32,256_512,512,256,32:32/8:node",
          "1,16,64_1024,256,32:32/8:node", "1,16,64_1024,256,32:64/8:node", "1,10_4000,400:64/8:pack",
          "1,10_4096,416:64/8:pack", "1,2,64_1024,256,256:32/8:node", "1,2,64_1024,256,256:64/8:node",
-         "1,16,64_1024,256,32:32/32:paths", "1,16,64_1024,256,32:32/8:paths")
+         "1,16,64_1024,256,32:32/32:paths", "1,16,64_1024,256,32:32/8:paths",
+         "1,2,64_1024,256,256:64/8:auto", "1,8,512_32,2048,256:32/8:auto", "1,8,512_32,2048,256:64/8:auto",
+         "1,1024_2048,32:32/8:auto", "1,1024_2048,32:64/8:auto")
 
 
 def main() -> None:
@@ -38,8 +41,9 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=list(CASES))
     ap.add_argument("--out")
     args = ap.parse_args()
-    now = (addressing.TMA_MIN_TOKENS, paths_planner.LEAD_CHUNKS, None)
-    before = (now[0][-1:], (3, 4, 6), 1.0)
+    node_runs = node_planner._NodeItems.unmasked_runs
+    now = (addressing.TMA_MIN_TOKENS, paths_planner.LEAD_CHUNKS, None, node_runs)
+    before = (now[0][-1:], (3, 4, 6), 1.0, False)
     res = {**provenance(), "now": now[:2], "before": before, "rows": []}
     for case in args.cases:
         spec, heads, strategy = case.split(":")
@@ -47,8 +51,10 @@ def main() -> None:
         tree = tree_from_spec(spec)
         q, k, v, out = case_inputs(tree, hq, hkv)
         row, ref = {"case": case}, None
-        for name, (table, chunks, speedup) in (("now", now), ("before", before)):
+        for name, (table, chunks, speedup, runs) in (("now", now), ("before", before)):
             addressing.TMA_MIN_TOKENS, paths_planner.LEAD_CHUNKS = table, chunks
+            node_planner._NodeItems.unmasked_runs = runs
+            tree = tree_from_spec(spec)  # (fresh: a tree caches its planners' items)
             w = TreeAttention(device="cuda")
             if speedup is not None:
                 w.cost = dataclasses.replace(w.cost, tma_speedup=speedup)
@@ -64,6 +70,7 @@ def main() -> None:
             row[name] = {"graph_us": graph, "us": eager, "strategy": plan.strategy,
                          "tma_launches": sum(ln.tma for ln in plan.launches)}
         addressing.TMA_MIN_TOKENS, paths_planner.LEAD_CHUNKS = now[:2]
+        node_planner._NodeItems.unmasked_runs = node_runs
         print(f"{case}: now {row['now']['graph_us']:.1f} us ({row['now']['tma_launches']} TMA), before "
               f"{row['before']['graph_us']:.1f} us ({row['before']['tma_launches']} TMA)", flush=True)
         res["rows"].append(row)

@@ -5,8 +5,11 @@ once; the item count and sizes follow the tree, which balances poorly (DeFT Sec.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
+from treeattn.plan.addressing import runs_between
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import RangeItems, WorkItems, _indptr, queries_at_nodes
 from treeattn.plan.query_ranges import query_ranges
@@ -41,11 +44,21 @@ def _node_items(tree: DecodingTree) -> WorkItems:
             q, visible = q[seen], visible[seen]
         return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, _indptr(hi - lo), q, visible)
 
-    return _NodeItems(seg_hi, hi - lo, make, order, lo, hi, tree.num_queries, single_nodes=nodes)
+    items = _NodeItems(seg_hi, hi - lo, make, order, lo, hi, tree.num_queries, single_nodes=nodes)
+    items.__dict__["_tree"] = tree
+    return items
 
 
 class _NodeItems(RangeItems):
     """:func:`node_items`' items, whose leaf items come from the tree's query counts."""
+
+    @functools.cached_property
+    def unmasked_runs(self) -> bool:
+        # each item is its node's first tokens: one run where the node's slots are (found when
+        # the cost model asks, with TMA only)
+        tree, nodes = self._tree, self._single_nodes
+        start = tree.kv_indptr[nodes]
+        return bool(runs_between(tree.slot_breaks, start, start + self.item_len).all())
 
     def leaf_items(self, tree: DecodingTree) -> np.ndarray:
         # node x's item holds the queries whose effective node (DecodingTree.effective_queries)
