@@ -221,48 +221,64 @@ class CostModel:
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
-        block_m, block_n, work, longest = slots.block_m, slots.block_n, slots.work, slots.longest
+        inv_p = 1.0 / p
+        work, longest, live = slots.work, slots.longest, slots.live
+        tile_sm_s, tile_s, rule_tile_s = self._tile_rates(slots.block_m, slots.block_n, heads)
         # a set not rated per item: all its launches masked or none
-        per_item = np.array([s[5] for s in sets], dtype=bool)[:, None]
-        masked = np.array([s[4] for s in sets], dtype=bool)[:, None]
+        masked, per_item = np.array([s[4] for s in sets] + [s[5] for s in sets], dtype=bool).reshape(2, -1, 1)
         launch_masked = np.where(per_item, slots.flags, masked)
         masked_work = np.where(per_item, slots.masked_work, work * masked)
-        mask = 1.0 + self.mask_cost * launch_masked
-        flops = np.where(block_m >= 64, self.sm_flops, self.sm_flops_small)
-        tile_sm_s = block_n * tok_bytes / self.sm_bandwidth + 4.0 * block_m * block_n * d / flops
         work_s = (work + self.mask_cost * masked_work) * tile_sm_s
-        live = slots.live
         sm = (slots.programs * self.program_overhead_s + work_s) / self.num_sms
-        longest_s = self.program_s(block_m, block_n, longest, heads) * mask
+        longest_s = longest * tile_s * (1.0 + self.mask_cost * launch_masked)
         if runs is not None:
             speed = np.where(self._tma(np.array(runs, dtype=bool)[:, None] & ~launch_masked, slots, hkv),
                              1.0 / self.tma_speedup, 1.0)
             sm, longest_s = sm * speed, longest_s * speed
         sm_all, longest_all = sm[live].tolist(), longest_s[live].tolist()
-        rule_all = self.program_s(block_m, block_n, longest, heads, tall_first=True)[live].tolist()
+        rule_all = (longest * rule_tile_s)[live].tolist()
         bounds = [0, *itertools.accumulate(live.sum(axis=1).tolist())]
+        # each launch's soft maximum of its SM time and longest program (Python floats: numpy's
+        # power may differ in the last bit)
+        soft = [(a ** p + b ** p) ** inv_p for a, b in zip(sm_all, longest_all)]
+        row_bytes, out_bytes = heads.partial_row_bytes(), hq * d * eb
         out = []
         for (kv_tokens, rows, merge_rows_max, num_queries, set_masked, _), lo, hi in zip(sets, bounds, bounds[1:]):
             num_queries = rows if num_queries is None else int(num_queries)
-            sm_times, longest_times = sm_all[lo:hi], longest_all[lo:hi]
             tall_first = self.tall_first(rule_all[lo:hi])
             if tall_first:
                 # the longest programs start first and run beside the other launches' programs
-                attn = (sum(sm_times) ** p + max(longest_times) ** p) ** (1.0 / p)
+                attn = (sum(sm_all[lo:hi]) ** p + max(longest_all[lo:hi]) ** p) ** inv_p
             else:
-                attn = sum((a ** p + b ** p) ** (1.0 / p) for a, b in zip(sm_times, longest_times))
+                attn = sum(soft[lo:hi])
             attn += (hi - lo) * self.launch_overhead_s
             # every query with a single row: the attention kernel writes the output, no merge launch
             direct = merge_rows_max <= 1 and rows == num_queries
-            partial_bytes = 0 if direct else rows * heads.partial_row_bytes()
+            partial_bytes = 0 if direct else rows * row_bytes
             attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
             merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
-                                           (partial_bytes + num_queries * hq * d * eb) / self.bandwidth
+                                           (partial_bytes + num_queries * out_bytes) / self.bandwidth
                                            ) + self.launch_overhead_s
             out.append({"attention": attn, "merge": merge, "launches": hi - lo, "masked": set_masked,
                         "tall_first": tall_first,
                         "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * (direct and hi > lo)})
         return out
+
+    def _tile_rates(self, block_m: np.ndarray, block_n: np.ndarray, heads: HeadConfig) -> tuple:
+        """float64 [S] thrice, for launch shapes of query tile ``block_m`` by KV tile ``block_n``:
+        a KV tile's SM time and one program's seconds per KV tile at the fitted rates and at the
+        tall-first rule's (:meth:`program_s`). Kept per shape table on this instance (``auto``
+        rates the same table every plan)."""
+        d = heads.head_dim
+        key = (d, _elem_bytes(heads), block_m.tobytes(), block_n.tobytes())
+        rates = self.__dict__.setdefault("_tile_rates_of", {})  # (frozen dataclass: not a field)
+        got = rates.get(key)
+        if got is None:
+            flops = np.where(block_m >= 64, self.sm_flops, self.sm_flops_small)
+            tile_sm_s = block_n * (d * 2 * key[1]) / self.sm_bandwidth + 4.0 * block_m * block_n * d / flops
+            got = rates[key] = (tile_sm_s, self.program_s(block_m, block_n, 1, heads),
+                                self.program_s(block_m, block_n, 1, heads, tall_first=True))
+        return got
 
     def _tma(self, runs: np.ndarray, slots: LaunchSlots, hkv: int) -> np.ndarray:
         """bool [G, S]: the launches the builder gives TMA wide tiles, of those unmasked over runs

@@ -156,8 +156,9 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
     if long_bits is None:
         kv_bits = short_bits
     else:
-        is_long = length > SHORT_ITEM_TOKENS
-        kv_bits = np.where(is_long, long_bits, short_bits)
+        # (as int64: numpy casts bool operands of int64 arithmetic several times slower)
+        is_long = (length > SHORT_ITEM_TOKENS).astype(np.int64)
+        kv_bits = is_long * (long_bits - short_bits) + short_bits
         shape += is_long
     kv_tiles = ((length - 1) >> kv_bits) + 1
     shape += group * n_shapes
@@ -174,7 +175,7 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
     if flagged is not None:
         # (the flagged items are few: their values are taken first; a boolean ufunc.at is ~10x
         # slower than counting their shapes)
-        at = np.flatnonzero(flagged)
+        at = flagged.nonzero()[0]
         flagged_shape = shape[at]
         flags = np.bincount(flagged_shape, minlength=size) > 0
         if lead is None:
