@@ -105,7 +105,7 @@ def _whole_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.
     known."""
     nq = tree.num_queries
     per_tile = max(1, rows // heads.group)
-    _, q_tokens, item_len, lead, q_counts = sizes or _tile_sizes(tree, per_tile, own)
+    _, q_tokens, item_len, lead, q_counts, masked = sizes or _tile_sizes(tree, per_tile, own)
     num_tiles = item_len.size
     order, node_lo, node_hi = query_ranges(tree)
     keep = tree.node_extent > 0  # (the nodes with tokens some query sees)
@@ -123,7 +123,7 @@ def _whole_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.
     seg_node = seg_node[by_tile]
     return WorkItems(_indptr(np.bincount(seg_tile, minlength=num_tiles)), seg_node, np.zeros_like(seg_node),
                      tree.lengths[seg_node], _indptr(q_counts), np.arange(nq) if order is None else order,
-                     q_tokens, lead < item_len, lead).with_item_len(item_len)
+                     q_tokens, masked, lead).with_item_len(item_len)
 
 
 def _own_items(tree: DecodingTree, own: np.ndarray) -> WorkItems:
@@ -142,10 +142,9 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
         return path_tiles(tree, heads, rows, own)
     nq = tree.num_queries
     per_tile = max(1, rows // heads.group)
-    sizes = rank, _, item_len, lead, q_counts = _tile_sizes(tree, per_tile, own)
+    sizes = rank, _, item_len, lead, q_counts, masked = _tile_sizes(tree, per_tile, own)
     num_tiles = item_len.size
     q_item, q_query = rank // per_tile, None  # (a query is in one tile)
-    masked = lead < item_len
     if own is not None and own.any():  # (as concat_items lays them out)
         mine = _own_items(tree, own)
         q_item = np.concatenate((q_item, num_tiles + np.arange(mine.num_items).repeat(mine.item_queries)))
@@ -159,21 +158,25 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
 
 
 def _tile_sizes(tree: DecodingTree, per_tile: int, own: np.ndarray | None) -> tuple:
-    """``(rank, q_tokens, item_len, lead, q_counts)`` of the path tiles of ``per_tile`` queries
-    (without the nodes flagged in ``own``) of a tree whose queries see their paths whole: each
-    query's rank in depth-first order, its tokens by rank, and each tile's tokens, mask lead and
-    queries."""
-    rank, cover, shared, started = _rank_tokens(tree, own)
+    """``(rank, q_tokens, item_len, lead, q_counts, masked)`` of the path tiles of ``per_tile``
+    queries (without the nodes flagged in ``own``) of a tree whose queries see their paths whole:
+    each query's rank in depth-first order, its tokens by rank, and each tile's tokens, mask lead,
+    queries and mask flag."""
+    rank, cover, shared, started, done = _rank_tokens(tree, own)
     nq = rank.size
-    # a tile reads the nodes over its first query and those that start (in depth-first order) at
-    # its later ones; its lead, the nodes over all its queries, is the fewest tokens two
-    # consecutive queries of it share (the shallowest of their lowest common ancestors)
     first = np.arange(0, nq, per_tile)
-    last = np.minimum(first + per_tile, nq) - 1
-    item_len = cover[first] + started[last] - started[first]
+    last = np.arange(per_tile - 1, nq + per_tile - 1, per_tile)
+    last[-1] = nq - 1
+    # a tile reads the nodes that start (in depth-first order) at or before its last query but
+    # those that end before its first; its lead, the nodes over all its queries, is the fewest
+    # tokens two consecutive queries of it share (the shallowest of their lowest common ancestors)
+    item_len = started[last] - done[first]
     common = shared.copy()
     common[first] = cover[first]
-    return rank, cover, item_len, np.minimum.reduceat(common, first), last + 1 - first
+    lead = np.minimum.reduceat(common, first)
+    q_counts = np.full(first.size, per_tile, dtype=np.int64)
+    q_counts[-1] = nq - first[-1]
+    return rank, cover, item_len, lead, q_counts, lead < item_len
 
 
 def _whole_paths(tree: DecodingTree) -> bool:
@@ -186,10 +189,11 @@ def _whole_paths(tree: DecodingTree) -> bool:
 
 
 def _rank_tokens(tree: DecodingTree, own: np.ndarray | None) -> tuple:
-    """``(rank, cover, shared, started)``: each query's rank in depth-first order
+    """``(rank, cover, shared, started, done)``: each query's rank in depth-first order
     (:func:`~treeattn.plan.query_ranges.query_ranges`), and int64 [queries] by rank: the tokens
     of the nodes (not flagged in ``own``) over the query, those it shares with the previous one,
-    and those of the nodes that start at it or before (made once per tree without ``own``)."""
+    those of the nodes that start at it or before and those of the nodes that end before it
+    (made once per tree without ``own``)."""
     got = None if own is not None else tree.derived.get("paths_rank_tokens")
     if got is None:
         nq = tree.num_queries
@@ -207,7 +211,8 @@ def _rank_tokens(tree: DecodingTree, own: np.ndarray | None) -> tuple:
         else:
             rank = np.empty(nq, dtype=np.int64)
             rank[order] = np.arange(nq)
-        got = rank, cover, cover - starts, starts.cumsum()
+        started = starts.cumsum()
+        got = rank, cover, cover - starts, started, started - cover
         if own is None:
             tree.derived["paths_rank_tokens"] = got
     return got
