@@ -183,15 +183,15 @@ class DecodingTree:
         return made[1] if made is not None and made[0]() is base else None
 
     # ------------------------------------------------------------------ properties
-    @property
+    @functools.cached_property  # (cached: planners read the counts dozens of times a plan)
     def num_nodes(self) -> int:
         return int(self.parents.size)
 
-    @property
+    @functools.cached_property
     def num_queries(self) -> int:
         return int(self.query_nodes.size)
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         """Unique KV tokens in the tree."""
         return int(self.lengths.sum())
