@@ -175,7 +175,7 @@ def slot_breaks(kv_slots: np.ndarray) -> np.ndarray:
     """int64: the entries ``i >= 1`` of a slot list whose slot does not follow the one before
     (``kv_slots[i] != kv_slots[i - 1] + 1``): where its runs of consecutive slots start (few where
     the pool's pages are in order)."""
-    return np.flatnonzero(kv_slots[1:] - kv_slots[:-1] != 1) + 1
+    return (kv_slots[1:] - kv_slots[:-1] != 1).nonzero()[0] + 1
 
 
 #: Mean range length from which :func:`ranges` repeats offsets instead of summing steps.

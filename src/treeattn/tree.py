@@ -183,15 +183,15 @@ class DecodingTree:
         return made[1] if made is not None and made[0]() is base else None
 
     # ------------------------------------------------------------------ properties
-    @property
+    @functools.cached_property  # (cached: planners read the counts dozens of times a plan)
     def num_nodes(self) -> int:
         return int(self.parents.size)
 
-    @property
+    @functools.cached_property
     def num_queries(self) -> int:
         return int(self.query_nodes.size)
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         """Unique KV tokens in the tree."""
         return int(self.lengths.sum())
@@ -210,8 +210,9 @@ class DecodingTree:
         """int64 ``(node, prefix)`` [Q]: each query moved up to the deepest node of which it sees
         at least one token (a query at ``u`` with prefix 0 sees what one at ``parent(u)`` with the
         whole parent visible sees), so ``prefix >= 1``."""
-        node = self.query_nodes.copy()
-        prefix = self.query_prefix.copy()
+        if self.query_prefix.all():  # (read-only arrays: shared, not copied)
+            return self.query_nodes, self.query_prefix
+        node, prefix = self.query_nodes.copy(), self.query_prefix.copy()
         todo = np.flatnonzero(prefix == 0)
         while todo.size:
             node[todo] = self.parents[node[todo]]
@@ -303,8 +304,7 @@ class DecodingTree:
     @functools.cached_property
     def subtree_queries(self) -> np.ndarray:
         """int64 [N]: queries whose visible KV ends in each node's subtree."""
-        lo, hi, _ = self.queries_below
-        return hi - lo
+        return self.queries_below[1] - self.queries_below[0]
 
     @functools.cached_property
     def queries_below(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

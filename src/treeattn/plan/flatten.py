@@ -111,12 +111,14 @@ def _block_query_ranges(tree: DecodingTree, block: int, n_blocks: int) -> tuple[
     join into one from the first node's start to the furthest end."""
     _, node_lo, node_hi = query_ranges(tree)
     nodes = tree.topology.order
-    nodes = nodes[tree.lengths[nodes] > 0]
+    if not tree.lengths.all():
+        nodes = nodes[tree.lengths[nodes] > 0]
     start = tree.topology.flat_start[nodes]
-    block_start = np.arange(n_blocks) * block
-    # the nodes holding each block's first and last token
-    first = np.searchsorted(start, block_start, side="right") - 1
-    last = np.searchsorted(start, np.minimum(block_start + block, tree.num_tokens) - 1, side="right") - 1
+    bounds = np.arange(0, (n_blocks + 1) * block, block)  # block b: tokens bounds[b] to bounds[b + 1] - 1
+    bounds[-1] = tree.num_tokens
+    # the nodes holding each block's first and last token (the last node starting before its end)
+    first = np.searchsorted(start, bounds[:-1], side="right") - 1
+    last = np.searchsorted(start, bounds[1:], side="left") - 1
     hi = node_hi[nodes]
     # (the maximum up to the next block's first node, which its last node is, or follows)
     return node_lo[nodes[first]], np.maximum(np.maximum.reduceat(hi, first), hi[last])

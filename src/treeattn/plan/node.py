@@ -31,20 +31,24 @@ def _node_items(tree: DecodingTree) -> WorkItems:
     # a node's item holds every query of its subtree (each sees a token of it): a range of the
     # queries in depth-first order, so the counts, merge rows and weights need no (item, query)
     # pairs, which are listed only when the items are made
-    extent = tree.node_extent
-    nodes = np.flatnonzero(extent > 0)  # exactly the nodes some query sees a token of
+    seg_hi = tree.node_extent
     order, lo, hi = query_ranges(tree)
-    lo, hi = lo[nodes], hi[nodes]
-    seg_hi = extent[nodes]
+    item_queries = tree.subtree_queries
+    if seg_hi.all():
+        nodes = np.arange(seg_hi.size)
+    else:
+        nodes = np.flatnonzero(seg_hi)  # exactly the nodes some query sees a token of
+        seg_hi, lo, hi, item_queries = seg_hi[nodes], lo[nodes], hi[nodes], item_queries[nodes]
 
     def make() -> WorkItems:
         q, node, _, visible = tree.pairs_by_node
         seen = visible > 0  # (zero-length nodes have pairs but no visible tokens)
         if not seen.all():
             q, visible = q[seen], visible[seen]
-        return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, _indptr(hi - lo), q, visible)
+        return WorkItems(np.arange(nodes.size + 1), nodes, np.zeros_like(nodes), seg_hi, _indptr(item_queries), q,
+                         visible)
 
-    items = _NodeItems(seg_hi, hi - lo, make, order, lo, hi, tree.num_queries, single_nodes=nodes)
+    items = _NodeItems(seg_hi, item_queries, make, order, lo, hi, tree.num_queries, single_nodes=nodes)
     items.__dict__["_tree"] = tree
     return items
 

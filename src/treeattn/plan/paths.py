@@ -41,14 +41,18 @@ OWN_ITEM_TOKENS = 64
 _NEVER = int(np.iinfo(np.int64).max)
 
 
-def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None) -> WorkItems:
+def path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None = None,
+               sizes: tuple | None = None) -> WorkItems:
     """Work items of query tiles of up to ``rows`` rows (queries x GQA group, consecutive in
     depth-first order), each reading the union of its queries' paths over the nodes not flagged in
     ``own`` (bool [N]); then one item per flagged node with visible tokens (``node``'s).
 
     A tile's segments are its nodes in pre-order (a node before its descendants), each up to the
     last token one of the tile's queries sees."""
-    tiles = (_whole_path_tiles if _whole_paths(tree) else _pair_path_tiles)(tree, heads, rows, own)
+    if _whole_paths(tree):
+        tiles = _whole_path_tiles(tree, heads, rows, own, sizes)
+    else:
+        tiles = _pair_path_tiles(tree, heads, rows, own)
     return tiles if own is None or not own.any() else concat_items(tiles, _own_items(tree, own))
 
 
@@ -93,16 +97,18 @@ def _pair_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.n
                      lead < item_len, lead).with_item_len(item_len)
 
 
-def _whole_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None) -> WorkItems:
+def _whole_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.ndarray | None,
+                      sizes: tuple | None = None) -> WorkItems:
     """:func:`path_tiles`' tiles (without the nodes apart) when every query sees each node of its
     path whole: a node is in the tiles its range of queries (depth-first) meets, so the segments
-    come from the nodes, not from the (query, node) pairs."""
+    come from the nodes, not from the (query, node) pairs. ``sizes``: :func:`_tile_sizes`, when
+    known."""
     nq = tree.num_queries
     per_tile = max(1, rows // heads.group)
-    num_tiles = -(-nq // per_tile)
-    order, seen, node_lo, node_hi = _query_ranges(tree)
-    keep = np.zeros(tree.num_nodes, dtype=bool)
-    keep[seen] = True
+    _, q_tokens, item_len, lead, q_counts, masked = sizes or _tile_sizes(tree, per_tile, own)
+    num_tiles = item_len.size
+    order, node_lo, node_hi = query_ranges(tree)
+    keep = tree.node_extent > 0  # (the nodes with tokens some query sees)
     if own is not None:
         keep &= ~own
     pre = tree.topology.order
@@ -114,25 +120,10 @@ def _whole_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: np.
     seg_tile = np.arange(seg_node.size) + (first - (span.cumsum() - span)).repeat(span)
     # a stable sort by tile keeps each tile's nodes in pre-order (16-bit keys: a radix sort)
     by_tile = np.argsort(seg_tile.astype(np.uint16) if num_tiles <= 1 << 16 else seg_tile, kind="stable")
-    seg_tile, seg_node = seg_tile[by_tile], seg_node[by_tile]
-    seg_hi = tree.lengths[seg_node]
-    item_len = np.bincount(seg_tile, seg_hi, minlength=num_tiles).astype(np.int64)
-    q_counts = np.full(num_tiles, per_tile, dtype=np.int64)
-    q_counts[-1] = nq - (num_tiles - 1) * per_tile
-    # a node all of whose tile's queries see it covers the tile's ranks; those nodes are the
-    # tile's common ancestors, which come first in pre-order: the lead
-    tile_lo = seg_tile * per_tile
-    whole = (lo.repeat(span)[by_tile] <= tile_lo) & (hi.repeat(span)[by_tile] >= np.minimum(tile_lo + per_tile, nq))
-    lead = np.bincount(seg_tile, seg_hi * whole, minlength=num_tiles).astype(np.int64)
-    q_tokens = tree.visible_tokens[order]
-    if own is not None and own.any():
-        # less the tokens of the nodes apart on each query's path (ranks lo..hi-1 of such a node)
-        apart = np.flatnonzero(own & (node_hi > node_lo))
-        size = tree.lengths[apart]
-        step = np.bincount(node_lo[apart], size, nq + 1) - np.bincount(node_hi[apart], size, nq + 1)
-        q_tokens = q_tokens - step.cumsum()[:-1].astype(np.int64)
-    return WorkItems(_indptr(np.bincount(seg_tile, minlength=num_tiles)), seg_node, np.zeros_like(seg_node), seg_hi,
-                     _indptr(q_counts), order, q_tokens, lead < item_len, lead).with_item_len(item_len)
+    seg_node = seg_node[by_tile]
+    return WorkItems(_indptr(np.bincount(seg_tile, minlength=num_tiles)), seg_node, np.zeros_like(seg_node),
+                     tree.lengths[seg_node], _indptr(q_counts), np.arange(nq) if order is None else order,
+                     q_tokens, masked, lead).with_item_len(item_len)
 
 
 def _own_items(tree: DecodingTree, own: np.ndarray) -> WorkItems:
@@ -151,20 +142,9 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
         return path_tiles(tree, heads, rows, own)
     nq = tree.num_queries
     per_tile = max(1, rows // heads.group)
-    num_tiles = -(-nq // per_tile)
-    rank, cover, shared, started = _rank_tokens(tree, own)
-    # a tile reads the nodes over its first query and those that start (in depth-first order) at
-    # its later ones; its lead, the nodes over all its queries, is the fewest tokens two
-    # consecutive queries of it share (the shallowest of their lowest common ancestors)
-    first = np.arange(0, nq, per_tile)
-    last = np.minimum(first + per_tile, nq) - 1
-    item_len = cover[first] + started[last] - started[first]
-    common = shared.copy()
-    common[first] = cover[first]
-    lead = np.minimum.reduceat(common, first)
-    q_counts = last + 1 - first
+    sizes = rank, _, item_len, lead, q_counts, masked = _tile_sizes(tree, per_tile, own)
+    num_tiles = item_len.size
     q_item, q_query = rank // per_tile, None  # (a query is in one tile)
-    masked = lead < item_len
     if own is not None and own.any():  # (as concat_items lays them out)
         mine = _own_items(tree, own)
         q_item = np.concatenate((q_item, num_tiles + np.arange(mine.num_items).repeat(mine.item_queries)))
@@ -173,8 +153,30 @@ def deferred_path_tiles(tree: DecodingTree, heads: HeadConfig, rows: int, own: n
         q_counts = np.concatenate((q_counts, mine.item_queries))
         masked = np.concatenate((masked, masked_flags(mine)))
         lead = np.concatenate((lead, np.full(mine.num_items, -1, dtype=np.int64)))
-    return DeferredItems(item_len, q_counts, lambda: path_tiles(tree, heads, rows, own), q_item, q_query,
+    return DeferredItems(item_len, q_counts, lambda: path_tiles(tree, heads, rows, own, sizes), q_item, q_query,
                          masked=masked, mask_lead=lead)
+
+
+def _tile_sizes(tree: DecodingTree, per_tile: int, own: np.ndarray | None) -> tuple:
+    """``(rank, q_tokens, item_len, lead, q_counts, masked)`` of the path tiles of ``per_tile``
+    queries (without the nodes flagged in ``own``) of a tree whose queries see their paths whole:
+    each query's rank in depth-first order, its tokens by rank, and each tile's tokens, mask lead,
+    queries and mask flag."""
+    rank, cover, shared, started, done = _rank_tokens(tree, own)
+    nq = rank.size
+    first = np.arange(0, nq, per_tile)
+    last = np.arange(per_tile - 1, nq + per_tile - 1, per_tile)
+    last[-1] = nq - 1
+    # a tile reads the nodes that start (in depth-first order) at or before its last query but
+    # those that end before its first; its lead, the nodes over all its queries, is the fewest
+    # tokens two consecutive queries of it share (the shallowest of their lowest common ancestors)
+    item_len = started[last] - done[first]
+    common = shared.copy()
+    common[first] = cover[first]
+    lead = np.minimum.reduceat(common, first)
+    q_counts = np.full(first.size, per_tile, dtype=np.int64)
+    q_counts[-1] = nq - first[-1]
+    return rank, cover, item_len, lead, q_counts, lead < item_len
 
 
 def _whole_paths(tree: DecodingTree) -> bool:
@@ -186,37 +188,31 @@ def _whole_paths(tree: DecodingTree) -> bool:
     return got
 
 
-def _query_ranges(tree: DecodingTree) -> tuple:
-    """``(order, nodes, lo, hi)``: the queries in depth-first order (by their effective node's
-    pre-order number; stable), the nodes with tokens that some query sees, and for each node the
-    ranks ``lo..hi-1`` in that order of the queries of its subtree (made once per tree)."""
-    got = tree.derived.get("paths_query_ranges")
-    if got is None:
-        order, lo, hi = query_ranges(tree)
-        if order is None:
-            order = np.arange(tree.num_queries)
-        got = tree.derived["paths_query_ranges"] = (order, np.flatnonzero((hi > lo) & (tree.lengths > 0)), lo, hi)
-    return got
-
-
 def _rank_tokens(tree: DecodingTree, own: np.ndarray | None) -> tuple:
-    """``(rank, cover, shared, started)``: each query's rank in depth-first order
-    (:func:`_query_ranges`), and int64 [queries] by rank: the tokens of the nodes (not flagged in
-    ``own``) over the query, those it shares with the previous one, and those of the nodes that
-    start at it or before (made once per tree without ``own``)."""
+    """``(rank, cover, shared, started, done)``: each query's rank in depth-first order
+    (:func:`~treeattn.plan.query_ranges.query_ranges`), and int64 [queries] by rank: the tokens
+    of the nodes (not flagged in ``own``) over the query, those it shares with the previous one,
+    those of the nodes that start at it or before and those of the nodes that end before it
+    (made once per tree without ``own``)."""
     got = None if own is not None else tree.derived.get("paths_rank_tokens")
     if got is None:
         nq = tree.num_queries
-        order, seen, lo, hi = _query_ranges(tree)
-        length, lo, hi = tree.lengths[seen], lo[seen], hi[seen]
-        if own is not None:
-            length = length * ~own[seen]
+        order, lo, hi = query_ranges(tree)
+        # (queries see their paths whole: a node's extent is its length, 0 where no query is below)
+        length = tree.node_extent if own is None else tree.node_extent * ~own
         starts = np.bincount(lo, length, nq + 1)
-        cover = (starts - np.bincount(hi, length, nq + 1)).cumsum()[:-1].astype(np.int64)
+        if own is None:  # the nodes over a query are those of its path
+            cover = tree.visible_tokens if order is None else tree.visible_tokens[order]
+        else:
+            cover = (starts - np.bincount(hi, length, nq + 1)).cumsum()[:-1].astype(np.int64)
         starts = starts[:-1].astype(np.int64)
-        rank = np.empty(nq, dtype=np.int64)
-        rank[order] = np.arange(nq)
-        got = rank, cover, cover - starts, starts.cumsum()
+        if order is None:
+            rank = np.arange(nq)
+        else:
+            rank = np.empty(nq, dtype=np.int64)
+            rank[order] = np.arange(nq)
+        started = starts.cumsum()
+        got = rank, cover, cover - starts, started, started - cover
         if own is None:
             tree.derived["paths_rank_tokens"] = got
     return got
