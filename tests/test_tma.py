@@ -21,8 +21,8 @@ from treeattn.plan.addressing import (
     tma_loads,
     tma_pays,
 )
-from treeattn.plan.cost import CostModel
 from treeattn.plan.auto import estimate_items
+from treeattn.plan.cost import CostModel
 from treeattn.plan.node import node_items
 from treeattn.plan.paths import paths_variants
 from treeattn.plan.plan import Launch
