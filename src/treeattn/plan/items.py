@@ -46,9 +46,9 @@ class WorkItems:
         the cost model reads it.
     unmasked_runs : bool
         Every item without the tree mask reads one run of consecutive KV slots, as the planner
-        knows (:func:`~treeattn.plan.leads.on_runs`; the cost model then rates the TMA loads the
-        builder gives their launches); False: not known. Not a field: set on the planner's own
-        new items only.
+        that made them knows (``paths``' split variants, :func:`~treeattn.plan.leads.on_runs`;
+        ``node``'s items); the cost model then rates the TMA loads the builder gives their
+        launches. False: not known. Not a field.
     """
 
     unmasked_runs = False
