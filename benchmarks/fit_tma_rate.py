@@ -27,7 +27,7 @@ from treeattn import CostModel, HeadConfig
 from treeattn.plan.addressing import tma_pays
 from treeattn.plan.auto import estimate_items
 from treeattn.plan.leads import cut_at_leads, on_runs, run_leads
-from treeattn.plan.paths import deferred_path_tiles
+from treeattn.plan.paths import _runs_known, deferred_path_tiles
 from treeattn.plan.split import split_long_items
 
 
@@ -38,9 +38,7 @@ def chunk_items(tree, heads, chunk: int):
     at = run_leads(tree, tiles)
     cut, splittable = cut_at_leads(tiles, at)
     items = split_long_items(cut, np.where(splittable, chunk, np.iinfo(np.int64).max))
-    if on_runs(tree, tiles, at):
-        object.__setattr__(items, "unmasked_runs", True)
-    return items
+    return _runs_known(items, on_runs(tree, tiles, at))
 
 
 def main() -> None:

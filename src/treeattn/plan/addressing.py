@@ -13,7 +13,7 @@ import numpy as np
 from treeattn.topology import slot_breaks
 
 __all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
-           "runs_between", "split_tails", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
+           "runs_between", "split_tails", "tall_tile", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
@@ -80,8 +80,7 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
         elif not is_run[ln.work_start: ln.work_end].all():
             narrow = _gathered_narrow(ln.block_m, ln.block_n) and programs >= GATHERED_NARROW_WAVES * num_sms
             out.append(dataclasses.replace(ln, num_warps=GATHERED_NARROW_WARPS) if narrow else ln)
-        elif ln.block_m >= TALL_CONTIG_ROWS and ln.block_n >= 64 and not (has_mask and ln.masked) \
-                and programs <= TALL_CONTIG_WAVES * num_sms:
+        elif tall_tile(ln.block_m, ln.block_n, programs, num_sms) and not (has_mask and ln.masked):
             block_n, num_warps, num_stages = TILE_TALL_CONTIG
             out.append(dataclasses.replace(ln, contig=True, block_n=block_n, num_warps=num_warps,
                                            num_stages=num_stages))
@@ -91,6 +90,12 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
             stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms else ln.num_stages
             out.append(dataclasses.replace(ln, contig=True, num_stages=stages))
     return tuple(out)
+
+
+def tall_tile(block_m, block_n, programs, num_sms: int):
+    """Whether a contig launch of this shape and ``programs`` programs, unmasked, takes
+    :data:`TILE_TALL_CONTIG` (:func:`contig_launches`); numbers or arrays (element-wise)."""
+    return (block_m >= TALL_CONTIG_ROWS) & (block_n >= 64) & (programs <= TALL_CONTIG_WAVES * num_sms)
 
 
 def contig_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
@@ -139,9 +144,9 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, n
     Launches of fewer programs than SMs pay from shorter units on (the wide tile's three stages
     fill an SM's shared memory: one program a SM, beside the plan's other launches). On the
     context chunks of Medusa trees (H100, benchmarks/probe_spec.py ``splits``, NOTES.md sessions
-    27-28): 1.04-1.32x faster at 32-96 programs over 400-1250 tokens; at 128 programs 1.08x over
-    1250 tokens but 0.99-1.00x over 625-750 and 0.80-0.89x over 375-400; at 192-384 programs
-    0.97-1.06x over 417-833 tokens.
+    27-28): 1.04-1.33x faster at 32-96 programs over 400-1250 tokens; at 128 programs 1.08x over
+    1250 tokens but 0.99-1.00x over 625-750 and 0.83-0.89x over 375-400; at 192-384 programs
+    0.90-1.06x over 417-833 tokens.
     """
     out = []
     for ln in launches:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeattn.plan.addressing import TALL_CONTIG_ROWS, TALL_CONTIG_WAVES, tma_pays
+from treeattn.plan.addressing import tall_tile, tma_pays
 from treeattn.plan.launches import LaunchSlots, _launches_many
 from treeattn.plan.plan import HeadConfig
 
@@ -285,6 +285,5 @@ class CostModel:
         of slots (``runs``): contig tall tiles (:func:`~treeattn.plan.addressing.contig_launches`)
         where :func:`~treeattn.plan.addressing.tma_pays`."""
         programs = slots.programs
-        tall = runs & (slots.block_m >= TALL_CONTIG_ROWS) & (slots.block_n >= 64) & \
-            (programs <= TALL_CONTIG_WAVES * self.num_sms)
-        return tall & tma_pays(programs, slots.tokens * hkv / np.maximum(programs, 1), self.num_sms)
+        return runs & tall_tile(slots.block_m, slots.block_n, programs, self.num_sms) & \
+            tma_pays(programs, slots.tokens * hkv / np.maximum(programs, 1), self.num_sms)
