@@ -207,23 +207,36 @@ def test_merge_states_many_rows_matches_torch(device, s):
     assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6
 
 
-@pytest.mark.parametrize("block_h,num_warps", [(4, 2), (1, 1)])
-def test_merge_states_launch_configs_match_torch(device, block_h, num_warps):
-    """The merge's other launch configs (4 heads and 2 warps a program: what many queries get)."""
+@pytest.mark.parametrize("block_h,num_warps,row_tile", [(4, 2, 0), (1, 1, 0), (2, 1, 2), (1, 1, 4), (None, None, 32)])
+def test_merge_states_launch_configs_match_torch(device, block_h, num_warps, row_tile):
+    """The merge's other launch configs: the row loop (4 heads and 2 warps a program: what many
+    queries get), and row tiles smaller than a query's rows (several blocks, the last one
+    partial) or larger."""
     n, s, heads, d = 30, 3, 16, 16
     o = torch.randn(n, s, heads, d, device=device)
     lse = torch.randn(n, s, heads, device=device) * 3
     lse[5, 1] = float("-inf")
+    lse[7, :, 2] = float("-inf")  # a head that saw nothing in any row
     idx = torch.arange(n * s + 1, dtype=torch.int32, device=device)
     out = torch.empty(n, heads, d, device=device)
     lse_out = torch.empty(n, heads, device=device)
     with pytest.raises(ValueError, match="merge_indptr must be a contiguous int32"):
         merge_partials(o.view(n * s, heads, d), lse.view(n * s, heads), idx[:n], idx[::s], idx[:-1], out, None)
     merge_partials(o.view(n * s, heads, d), lse.view(n * s, heads), idx[:n], idx[::s].contiguous(), idx[:-1],
-                   out, lse_out, block_h=block_h, num_warps=num_warps)
+                   out, lse_out, block_h=block_h, num_warps=num_warps, row_tile=row_tile)
     ro, rl = merge_states(o.cpu(), lse.cpu(), backend="torch")
-    assert rel_l2(out.cpu(), ro) <= 1e-5 and rel_l2(lse_out.cpu(), rl) <= 1e-6
-    assert merge_config(1024, 32, 128) == (4, 2) and merge_config(64, 32, 128) == (2, 4)
+    finite = torch.isfinite(rl)
+    assert not torch.isnan(out).any() and torch.equal(torch.isfinite(lse_out.cpu()), finite)
+    assert rel_l2(out.cpu(), ro) <= 1e-5 and rel_l2(lse_out.cpu()[finite], rl[finite]) <= 1e-6
+
+
+def test_merge_config_tiles():
+    """Many queries: the row loop, 4 heads and 2 warps a program; few: one warp, and a row tile
+    that takes a query's rows in one block where it fits the register budget."""
+    assert merge_config(1024, 32, 128) == (4, 2, 0) and merge_config(256, 32, 128, 3) == (8, 4, 0)
+    assert merge_config(64, 32, 128) == (2, 1, 4) and merge_config(10, 32, 128, 3) == (1, 1, 4)
+    assert merge_config(10, 32, 128, 18) == (1, 1, 32)
+    assert merge_config(64, 32, 128, 18) == (2, 1, 16)  # (2 heads of 128 a warp: at most 16 rows)
 
 
 @pytest.mark.parametrize("strategy", ["sequence", "greedy", "flatten"])

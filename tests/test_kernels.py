@@ -148,11 +148,12 @@ def test_precompile_launches_every_variant():
     # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV
     # tiles also with 2 warps; x2 for the direct-output variant, x2 for the grid order, x2 for the
     # mask split (masked plan only), and tall ones unmasked also with the split tail; merge head
-    # blocks 1, 2, 4, 8 with and without LSE
+    # blocks 1, 2, 4 (few queries) with each of their 5 row tiles and 8 (the row loop), with and
+    # without LSE
     configs = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes)
     assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
     tall = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes if s[0] >= 64)
-    assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 2 * tall + 2 * 4
+    assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 2 * tall + 2 * (3 * 5 + 1)
 
 
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),

@@ -218,7 +218,7 @@ class TreeAttention:
                               lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
                               pdl=self.pdl)
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
-                           plan.merge_indices, out, lse, pdl=self.pdl,
+                           plan.merge_indices, out, lse, max_rows=plan.merge_rows_max, pdl=self.pdl,
                            cache=launch_cache(plan) if q.is_cuda else None)
         return (out, lse) if return_lse else out
 
@@ -297,5 +297,6 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor, *, backend: str = "auto"):
     out = torch.empty((n, h, d), dtype=o.dtype, device=o.device)
     lse_out = torch.empty((n, h), dtype=torch.float32, device=o.device)
     merge_partials(o_rows.float().contiguous(), lse_rows.float().contiguous(),
-                   torch.arange(n, dtype=torch.int32, device=o.device), indptr, indices, out, lse_out)
+                   torch.arange(n, dtype=torch.int32, device=o.device), indptr, indices, out, lse_out,
+                   max_rows=s)
     return out, lse_out

@@ -16,7 +16,7 @@ import triton
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _tree_partial_attention_kernel
+from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _merge_tile_kernel, _tree_partial_attention_kernel
 from treeattn.plan.addressing import (
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
@@ -245,12 +245,16 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
-                   lse_out: torch.Tensor | None, *, block_h: int | None = None,
-                   num_warps: int | None = None, pdl: bool = False, cache: dict | None = None) -> None:
+                   lse_out: torch.Tensor | None, *, max_rows: int = 4, block_h: int | None = None,
+                   num_warps: int | None = None, row_tile: int | None = None, pdl: bool = False,
+                   cache: dict | None = None) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
-    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``block_h`` (heads per program, a
-    power of two) and ``num_warps`` override the launch config (benchmarks/sweep_merge.py).
+    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``max_rows``: the most rows a merged
+    query has (``Plan.merge_rows_max``), which sizes the row tile of few queries' merges; any
+    count merges correctly. ``block_h`` (heads per program, a power of two), ``num_warps`` and
+    ``row_tile`` (0: the row loop) override :func:`merge_config` (benchmarks/sweep_merge.py,
+    probe_merge_rows.py).
     With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
     launch that waits for the partial rows on the device. ``cache``: the :func:`launch_cache` of
     the plan these index tensors are (CUDA only)."""
@@ -264,9 +268,10 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
             raise ValueError(f"{name} must be a contiguous int32 tensor (got {t.dtype}, strides {t.stride()})")
     heads, d = out.shape[1:]
     block_d = triton.next_power_of_2(d)
-    if block_h is None:
-        block_h, default_warps = merge_config(n, heads, d)
-        num_warps = num_warps or default_warps
+    cfg = merge_config(n, heads, d, max_rows)
+    block_h, num_warps = block_h or cfg[0], num_warps or cfg[1]
+    if row_tile is None:  # (the config's kernel, its tile sized for these heads and warps)
+        row_tile = cfg[2] and merge_row_tile(max_rows, block_h, block_d, num_warps)
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     args = (o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
@@ -274,19 +279,29 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
             out.stride(0), out.stride(1), lse_arg.stride(0))
     key = None
     if cache is not None:
-        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, num_warps, pdl,
-               lse_out is not None, _aligned(*args[:7]))
+        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, row_tile,
+               num_warps, pdl, lse_out is not None, _aligned(*args[:7]))
         if _launch_kept(cache, key, args):
             return
     kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
-                  num_warps=num_warps or 4, **_pdl_kwargs(pdl))
-    _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
+                  num_warps=num_warps, **_pdl_kwargs(pdl))
+    if row_tile:
+        _launch(_merge_tile_kernel, grid, args, {**kwargs, "BLOCK_R": row_tile}, cache, key)
+    else:
+        _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
 
 
-def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, int]:
-    """``(heads per program, warps)`` of the merge of ``num_queries`` queries."""
-    # each program walks its query's partial rows one after another (latency-bound), so give the
-    # grid at least ~1024 programs before packing several heads into one
+#: Row tiles of the merge of few queries (powers of two); a tile holds at most MERGE_TILE_VALUES
+#: fp32 values a warp
+MERGE_ROW_TILES = (2, 4, 8, 16, 32)
+MERGE_TILE_VALUES = 4096
+
+
+def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int = 4) -> tuple[int, int, int]:
+    """``(heads per program, warps, row tile)`` of the merge of ``num_queries`` queries of at most
+    ``max_rows`` partial rows each; row tile 0: the row loop (:func:`_merge_states_kernel`), else
+    rows a block of :func:`_merge_tile_kernel`."""
+    # give the grid at least ~1024 programs before packing several heads into one
     block_d = triton.next_power_of_2(head_dim)
     cap = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_d))
     block_h = max(1, min(cap, 1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
@@ -294,8 +309,20 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int) -> tuple[int, 
         # many queries: 4 heads a program and 2 warps keep more rows' loads in flight than 16-32
         # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees
         # (benchmarks/sweep_merge.py, NOTES.md)
-        return 4, 2
-    return block_h, 4
+        return 4, 2, 0
+    if block_h >= 8:
+        return block_h, 4, 0
+    # few queries: their rows in one load of a row tile, one warp a program (probe_merge_rows.py:
+    # 5-18 rows a query merge 1.3-2.6x faster; 2 and 4 warps were slower, and so were the row
+    # tiles where the grid packs 8 heads a program or more, the row loop's configs above)
+    return block_h, 1, merge_row_tile(max_rows, block_h, block_d, 1)
+
+
+def merge_row_tile(max_rows: int, block_h: int, block_d: int, num_warps: int) -> int:
+    """Rows of :func:`_merge_tile_kernel`'s tile: enough for ``max_rows`` in one block where the
+    ``[rows, block_h, block_d]`` tile fits :data:`MERGE_TILE_VALUES` a warp."""
+    fit = [r for r in MERGE_ROW_TILES if r * block_h * block_d <= MERGE_TILE_VALUES * num_warps] or [2]
+    return next((r for r in fit if r >= max_rows), fit[-1])
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
@@ -341,6 +368,8 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl)
             launches += 1
+    # every merge config merge_config gives: the query counts that reach each head block, each
+    # with every row tile it can take
     cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
     for block_h in (1 << k for k in range(cap.bit_length())):
         n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
@@ -348,9 +377,10 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
         lse_part = torch.zeros(n, hq, device=device)
         idx = torch.arange(n + 1, dtype=torch.int32, device=device)
         out = torch.empty(n, hq, d, device=device, dtype=dt)
-        for lse in (None, torch.empty(n, hq, device=device)):
-            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, pdl=pdl)
-            launches += 1
+        for rows in sorted({merge_config(n, hq, d, r)[2] for r in MERGE_ROW_TILES}):
+            for lse in (None, torch.empty(n, hq, device=device)):
+                merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, max_rows=rows, pdl=pdl)
+                launches += 1
     return launches
 
 

@@ -296,3 +296,64 @@ def _merge_states_kernel(
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         lse_out = tl.where(has, m_safe + tl.log2(tl.where(has, den, 1.0)) * LN2, float("-inf"))
         tl.store(LSE_out + n * stride_ln + offs_h, lse_out, mask=h_valid)
+
+
+@triton.jit
+def _merge_tile_kernel(
+    O_part, LSE_part, Out, LSE_out, merge_q_indices, merge_indptr, merge_indices,
+    num_heads,
+    stride_pn, stride_ph, stride_pln,
+    stride_on, stride_oh, stride_ln,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    WRITE_LSE: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """:func:`_merge_states_kernel` for queries of few, many-row merges: BLOCK_R rows at a time,
+    each block one ``[BLOCK_R, BLOCK_H, D]`` load (deterministic).
+
+    The merge map is the plan's, not the attention launches' output, so the first block's row
+    indices are read before the PDL wait, and after it a query whose rows fit one block is one
+    round trip of loads. The row loop puts two dependent round trips a row on that path
+    (benchmarks/probe_merge_rows.py: 1.3-2.6x faster merges of 5-18 rows a query)."""
+    n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = tl.arange(0, BLOCK_R)
+    h_valid = offs_h < num_heads
+    hd_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    start = tl.load(merge_indptr + n)
+    end = tl.load(merge_indptr + n + 1)
+    rows = tl.load(merge_indices + start + offs_r, mask=offs_r < end - start, other=0).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    rh = (offs_r < end - start)[:, None] & h_valid[None, :]
+    lse = tl.load(LSE_part + rows[:, None] * stride_pln + offs_h[None, :], mask=rh, other=float("-inf"))
+    o = tl.load(O_part + rows[:, None, None] * stride_pn + offs_h[None, :, None] * stride_ph
+                + offs_d[None, None, :], mask=rh[:, :, None] & hd_mask[None, :, :], other=0.0)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2((lse - m_safe[None, :]) * LOG2E)
+    den = tl.sum(w, 0)
+    acc = tl.sum(w[:, :, None] * o.to(tl.float32), 0)
+    # queries of more rows than a block (the row tile is sized for the plan's longest merge, up
+    # to a register budget): the next blocks, merged online
+    for r0 in range(start + BLOCK_R, end, BLOCK_R):
+        rh = (offs_r < end - r0)[:, None] & h_valid[None, :]
+        rows = tl.load(merge_indices + r0 + offs_r, mask=offs_r < end - r0, other=0).to(tl.int64)
+        lse = tl.load(LSE_part + rows[:, None] * stride_pln + offs_h[None, :], mask=rh, other=float("-inf"))
+        o = tl.load(O_part + rows[:, None, None] * stride_pn + offs_h[None, :, None] * stride_ph
+                    + offs_d[None, None, :], mask=rh[:, :, None] & hd_mask[None, :, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale_old = tl.exp2((m - m_safe) * LOG2E)
+        w = tl.exp2((lse - m_safe[None, :]) * LOG2E)
+        den = den * scale_old + tl.sum(w, 0)
+        acc = acc * scale_old[:, None] + tl.sum(w[:, :, None] * o.to(tl.float32), 0)
+        m = m_new
+    has = den > 0.0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=hd_mask)
+    if WRITE_LSE:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        lse_out = tl.where(has, m_safe + tl.log2(tl.where(has, den, 1.0)) * LN2, float("-inf"))
+        tl.store(LSE_out + n * stride_ln + offs_h, lse_out, mask=h_valid)

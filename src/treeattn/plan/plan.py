@@ -226,6 +226,9 @@ class Plan:
         The other queries (none, or several partial rows): the ones the merge kernel writes.
     num_direct : int
         Rows with ``row_direct`` set (host copy; 0 means the kernel writes no output).
+    merge_rows_max : int
+        The most partial rows a merged query has (host copy; 0 without a merge): the merge
+        kernel's row tile.
     tree_mask : int32 [nnz_kv, 4] or None
         Tree mask, present when some query of an item sees only part of it: a record a KV entry,
         ``(lo, hi, pos_base, 0)``. Entry ``e`` (a token at offset ``pos = pos_base + e`` of a node
@@ -273,6 +276,7 @@ class Plan:
     host: PlanHost | None = None
     candidates: tuple = ()
     tall_first: bool = False
+    merge_rows_max: int = 0
 
     @property
     def num_rows(self) -> int:
