@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers import rel_l2
-from treeattn.ops import merge_config, merge_partials
+from treeattn.ops import merge_partials
+from treeattn.plan.merge import merge_config
 from treeattn import (STRATEGIES, DecodingTree, KVPool, KVPoolOutOfMemory, TreeAttention,
                       merge_states, reference_attention, tree_attention)
 from treeattn.workloads import tree_from_spec

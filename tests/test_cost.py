@@ -196,3 +196,18 @@ def test_explain_mentions_choice_and_estimates():
     assert "launch(es) + merge" in text and "cost model estimates:" in text
     for s in PLANNERS:
         assert f"{s} " in text.split("cost model estimates:")[1]
+
+
+def test_pdl_rates_few_queries_merges_at_the_tile_step():
+    """With PDL, a merge of few queries (the row-tile kernel) costs its own critical path:
+    ``merge_tile_step_s`` a row on the longest query; many queries' merges (the row loop) and
+    plans without PDL keep ``merge_step_s``."""
+    heads = HeadConfig(32, 8, 128, torch.float16)
+    length, nq = np.full(14, 200), np.full(14, 10)  # 14 chunks, each read by the same 10 queries
+    merge = {pdl: CostModel(pdl=pdl).breakdown(length, nq, heads, merge_rows_max=14, num_queries=10)["merge"]
+             for pdl in (False, True)}
+    assert merge[False] == pytest.approx(14 * CostModel.merge_step_s)
+    assert merge[True] == pytest.approx(14 * CostModel.merge_tile_step_s)
+    many = np.full(14, 1024)  # 1024 queries: the row loop, whatever pdl says
+    assert (CostModel(pdl=True).breakdown(length, many, heads, merge_rows_max=14, num_queries=1024)["merge"]
+            == CostModel(pdl=False).breakdown(length, many, heads, merge_rows_max=14, num_queries=1024)["merge"])

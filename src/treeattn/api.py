@@ -98,7 +98,7 @@ class TreeAttention:
             raise ValueError("tma needs the triton backend on a CUDA device of compute capability 9.0 or later")
         # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
         self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl,
-                                      tma=hopper if tma is None else bool(tma))
+                                      tma=hopper if tma is None else bool(tma), pdl=self.pdl)
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:

@@ -24,6 +24,7 @@ from treeattn.plan.addressing import (
     contig_configs,
     gathered_configs,
 )
+from treeattn.plan.merge import MERGE_ROW_TILES, merge_config, merge_row_tile
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
@@ -289,40 +290,6 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         _launch(_merge_tile_kernel, grid, args, {**kwargs, "BLOCK_R": row_tile}, cache, key)
     else:
         _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
-
-
-#: Row tiles of the merge of few queries (powers of two); a tile holds at most MERGE_TILE_VALUES
-#: fp32 values a warp
-MERGE_ROW_TILES = (2, 4, 8, 16, 32)
-MERGE_TILE_VALUES = 4096
-
-
-def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int = 4) -> tuple[int, int, int]:
-    """``(heads per program, warps, row tile)`` of the merge of ``num_queries`` queries of at most
-    ``max_rows`` partial rows each; row tile 0: the row loop (:func:`_merge_states_kernel`), else
-    rows a block of :func:`_merge_tile_kernel`."""
-    # give the grid at least ~1024 programs before packing several heads into one
-    block_d = triton.next_power_of_2(head_dim)
-    cap = min(triton.next_power_of_2(num_heads), max(1, 4096 // block_d))
-    block_h = max(1, min(cap, 1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
-    if block_h >= 16:
-        # many queries: 4 heads a program and 2 warps keep more rows' loads in flight than 16-32
-        # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees
-        # (benchmarks/sweep_merge.py, NOTES.md)
-        return 4, 2, 0
-    if block_h >= 8:
-        return block_h, 4, 0
-    # few queries: their rows in one load of a row tile, one warp a program (probe_merge_rows.py:
-    # 5-18 rows a query merge 1.3-2.6x faster; 2 and 4 warps were slower, and so were the row
-    # tiles where the grid packs 8 heads a program or more, the row loop's configs above)
-    return block_h, 1, merge_row_tile(max_rows, block_h, block_d, 1)
-
-
-def merge_row_tile(max_rows: int, block_h: int, block_d: int, num_warps: int) -> int:
-    """Rows of :func:`_merge_tile_kernel`'s tile: enough for ``max_rows`` in one block where the
-    ``[rows, block_h, block_d]`` tile fits :data:`MERGE_TILE_VALUES` a warp."""
-    fit = [r for r in MERGE_ROW_TILES if r * block_h * block_d <= MERGE_TILE_VALUES * num_warps] or [2]
-    return next((r for r in fit if r >= max_rows), fit[-1])
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,

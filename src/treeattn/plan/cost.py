@@ -18,6 +18,7 @@ import numpy as np
 
 from treeattn.plan.addressing import tall_tile, tma_pays
 from treeattn.plan.launches import LaunchSlots, _launches_many
+from treeattn.plan.merge import merge_tiled
 from treeattn.plan.plan import HeadConfig
 
 __all__ = ["CostModel"]
@@ -65,6 +66,14 @@ class CostModel:
     #: chain, latency-bound)
     launch_overhead_s: float = 0.0
     merge_step_s: float = 0.402e-6
+    #: the merge step of few queries' merges, which load a query's rows as one tile
+    #: (:func:`~treeattn.plan.merge.merge_tiled`), with ``pdl``: merge_step_s less what the tile
+    #: saved a row against the row loop in one-call graph replay on an H100 (median 0.11 us,
+    #: 0.07-0.36, over 28 plans of 6-18 rows a query; h100_probe_merge_rows.json). It saved 2-3x
+    #: that where 32 calls ran back to back with PDL; there, the plans this rate chooses were
+    #: 0.80-0.97x the time of those the row loop's rate chose, and without PDL 0.84-1.09x
+    #: (benchmarks/probe_merge_rows.py, probe_merge_cost.py; NOTES.md, session 29)
+    merge_tile_step_s: float = 0.29e-6
     #: what a direct plan (no merge launch) saves beyond the fitted merge term, which ranks
     #: merging plans among themselves: a merge launch takes 7-14 us under graph replay even for
     #: one query (benchmarks/floor.py). On the kernel suite's timings any value in 6-10 us makes
@@ -95,6 +104,10 @@ class CostModel:
     #: rms log error 0.14 on the 12 TMA plans; 1.75-2.25 pick within 5% of the fastest chunking on
     #: all 8 trees, 1.0 on 4)
     tma_speedup: float = 2.0
+    #: plans run as programmatic dependent launches (``TreeAttention(pdl=True)``, as the engine
+    #: runs them): the merge's launch and wait overlap the attention launches, so what a merge of
+    #: few queries costs is its own critical path (``merge_tile_step_s``)
+    pdl: bool = False
     #: the same for every plan (query and output traffic, graph replay); reported, not choosing
     fixed_overhead_s: float = 7.06e-6
     #: ``auto`` takes the plan with the fewest kernels among those estimated within this fraction
@@ -256,7 +269,8 @@ class CostModel:
             direct = merge_rows_max <= 1 and rows == num_queries
             partial_bytes = 0 if direct else rows * row_bytes
             attn = max(attn, (kv_tokens * hkv * tok_bytes + partial_bytes) / self.bandwidth)
-            merge = 0.0 if direct else max(merge_rows_max * self.merge_step_s,
+            step = self.merge_tile_step_s if self.pdl and merge_tiled(num_queries, hq, d) else self.merge_step_s
+            merge = 0.0 if direct else max(merge_rows_max * step,
                                            (partial_bytes + num_queries * out_bytes) / self.bandwidth
                                            ) + self.launch_overhead_s
             out.append({"attention": attn, "merge": merge, "launches": hi - lo, "masked": set_masked,

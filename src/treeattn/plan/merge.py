@@ -1,0 +1,51 @@
+"""The merge launch's config: which kernel, heads and warps a program, and rows a block
+(:func:`treeattn.ops.merge_partials` launches it; :class:`~treeattn.plan.cost.CostModel` rates it)."""
+from __future__ import annotations
+
+import functools
+
+__all__ = ["MERGE_ROW_TILES", "MERGE_TILE_VALUES", "merge_config", "merge_row_tile", "merge_tiled"]
+
+#: Row tiles of the merge of few queries (powers of two); a tile holds at most MERGE_TILE_VALUES
+#: fp32 values a warp
+MERGE_ROW_TILES = (2, 4, 8, 16, 32)
+MERGE_TILE_VALUES = 4096
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int = 4) -> tuple[int, int, int]:
+    """``(heads per program, warps, row tile)`` of the merge of ``num_queries`` queries of at most
+    ``max_rows`` partial rows each; row tile 0: the row loop (``_merge_states_kernel``), else rows
+    a block of ``_merge_tile_kernel``."""
+    # give the grid at least ~1024 programs before packing several heads into one
+    block_d = _pow2_ceil(head_dim)
+    cap = min(_pow2_ceil(num_heads), max(1, 4096 // block_d))
+    block_h = max(1, min(cap, 1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
+    if block_h >= 16:
+        # many queries: 4 heads a program and 2 warps keep more rows' loads in flight than 16-32
+        # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees
+        # (benchmarks/sweep_merge.py, NOTES.md)
+        return 4, 2, 0
+    if block_h >= 8:
+        return block_h, 4, 0
+    # few queries: their rows in one load of a row tile, one warp a program (probe_merge_rows.py:
+    # 5-18 rows a query merge 1.3-2.6x faster; 2 and 4 warps were slower, and so were the row
+    # tiles where the grid packs 8 heads a program or more, the row loop's configs above)
+    return block_h, 1, merge_row_tile(max_rows, block_h, block_d, 1)
+
+
+def merge_row_tile(max_rows: int, block_h: int, block_d: int, num_warps: int) -> int:
+    """Rows of ``_merge_tile_kernel``'s tile: enough for ``max_rows`` in one block where the
+    ``[rows, block_h, block_d]`` tile fits :data:`MERGE_TILE_VALUES` a warp."""
+    fit = [r for r in MERGE_ROW_TILES if r * block_h * block_d <= MERGE_TILE_VALUES * num_warps] or [2]
+    return next((r for r in fit if r >= max_rows), fit[-1])
+
+
+@functools.lru_cache(maxsize=1024)
+def merge_tiled(num_queries: int, num_heads: int, head_dim: int) -> bool:
+    """Whether the merge of ``num_queries`` queries takes the row tile (rows in one load) rather
+    than the row loop."""
+    return merge_config(num_queries, num_heads, head_dim)[2] > 0
