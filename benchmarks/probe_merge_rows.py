@@ -97,7 +97,7 @@ def merge_loop(o_part, lse_part, plan, out, *, pdl: bool):
 
 def caller(w, plan, q, k, v, out, mode: str, cfg=(None, None)):
     """One ``run()`` of ``plan`` with the merge ``mode``: ``loop`` (the baseline), ``tile`` (the
-    library's, at ``cfg`` = (heads a program, warps; None: :func:`merge_config`'s)) or ``none``."""
+    library's, at ``cfg`` = (heads a program, warps[, row tile]; None: the config's)) or ``none``."""
     o_part, lse_part = w.partial_buffers(plan)
     scale = 1.0 / math.sqrt(q.shape[-1])
     streams = w._streams if w._streams and torch.cuda.is_current_stream_capturing() else ()
@@ -109,7 +109,8 @@ def caller(w, plan, q, k, v, out, mode: str, cfg=(None, None)):
             merge_loop(o_part, lse_part, plan, out, pdl=w.pdl)
         elif mode == "tile":
             merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr, plan.merge_indices,
-                           out, None, max_rows=plan.merge_rows_max, pdl=w.pdl, block_h=cfg[0], num_warps=cfg[1])
+                           out, None, max_rows=plan.merge_rows_max, pdl=w.pdl, block_h=cfg[0], num_warps=cfg[1],
+                           row_tile=cfg[2] if len(cfg) > 2 else None)
     return call
 
 
@@ -143,7 +144,7 @@ def main():
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--variants", default="tile:0:0",
-                    help="mode:heads:warps, 0 = merge_config's")
+                    help="mode:heads:warps[:row tile], 0 = merge_config's")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.check:
@@ -154,10 +155,11 @@ def main():
 
     res = {**provenance(), "layers": args.layers, "rows": []}
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
-    variants = {"loop": ("loop", None, None), "none": ("none", None, None)}
+    variants = {"loop": ("loop", (None, None)), "none": ("none", (None, None))}
     for v_ in args.variants.split(","):
-        mode, h, wp = v_.split(":")
-        variants[f"{mode}_h{h}_w{wp}"] = (mode, int(h) or None, int(wp) or None)
+        mode, h, wp, *r = v_.split(":")
+        variants[f"{mode}_h{h}_w{wp}" + "".join(f"_r{x}" for x in r)] = (
+            mode, (int(h) or None, int(wp) or None, *(int(x) for x in r)))
     for spec in args.trees:
         tree = tree_from_spec(spec)
         for hq, hkv in heads:
@@ -168,9 +170,9 @@ def main():
             row["auto_strategy"], row["max_rows"] = plan.strategy, plan.merge_rows_max
             row["merged"] = int(plan.merge_q_indices.numel())
             ref = None
-            for name, (mode, h, wp) in variants.items():
+            for name, (mode, cfg) in variants.items():
                 out = torch.empty_like(q)
-                call = caller(w, plan, q, k, v, out, mode, (h, wp))
+                call = caller(w, plan, q, k, v, out, mode, cfg)
                 graph = capture_graph(lambda: [call() for _ in range(args.layers)])
                 t = triton.testing.do_bench(graph.replay, return_mode="median", warmup=10, rep=60)
                 torch.cuda.synchronize()
@@ -184,11 +186,11 @@ def main():
             # the kernel benchmark's timing: one run() a graph, side streams, no PDL
             ws = TreeAttention(device="cuda", streams=3)
             plan3 = ws.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=q.shape[-1], strategy="auto")
-            for name, (mode, h, wp) in variants.items():
+            for name, (mode, cfg) in variants.items():
                 if mode == "none":
                     continue
                 out = torch.empty_like(q)
-                call = caller(ws, plan3, q, k, v, out, mode, (h, wp))
+                call = caller(ws, plan3, q, k, v, out, mode, cfg)
                 graph = capture_graph(call)
                 row["single_us"][name] = triton.testing.do_bench(graph.replay, return_mode="median",
                                                                  warmup=10, rep=60) * 1e3
