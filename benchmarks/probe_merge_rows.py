@@ -10,7 +10,7 @@ plan data, not the attention launches' output) and every row's state as one ``[R
 after it leaves one round trip.
 
 For each tree and head config: ``auto``'s plan (the engine's cost model), timed per call with
-the row-loop merge at its config before this probe (``loop``, kept here as the baseline), with
+the row-loop merge at its config before this probe (``loop``: the baseline), with
 the library's merge at its own config (``tile_h0_w0``: the row tile for few queries, the row loop
 for many; ``--variants`` for others), and without a merge
 (``none``: a lower bound, its output wrong); ``sequence`` with the library's merge for
@@ -30,7 +30,6 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
 from treeattn import TreeAttention
 from treeattn.ops import merge_partials, partial_attention
@@ -39,60 +38,17 @@ TREES = ("1,10_1104,300", "1,10_1611,30", "1,1,10_1611,54,30", "1,5_1611,30", "1
          "1,1,10_1104,711,150", "1,1,1,10_1104,711,195,300", "1,5_2500,300", "1,10_4000,400",
          "1,10_4096,416", "1,16,64_1024,256,32", "1,2,64_1024,256,256", "1,2,64_8,256,32",
          "1,20_4000,200", "1,50_4000,200", "1_1024", "1,1024_2048,32", "1,8,512_32,512,256")
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _merge_loop_kernel(
-    O_part, LSE_part, Out, LSE_out, merge_q_indices, merge_indptr, merge_indices, num_heads,
-    stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """The merge before this probe (73a951d), the baseline: a query's rows one after another."""
-    n = tl.load(merge_q_indices + tl.program_id(0)).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    h_valid = offs_h < num_heads
-    hd_mask = h_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    start = tl.load(merge_indptr + n)
-    end = tl.load(merge_indptr + n + 1)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(start, end):
-        r = tl.load(merge_indices + i).to(tl.int64)
-        lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
-        o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
-                    mask=hd_mask, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale_old = tl.exp2((m - m_safe) * LOG2E)
-        w = tl.exp2((lse - m_safe) * LOG2E)
-        den = den * scale_old + w
-        acc = acc * scale_old[:, None] + w[:, None] * o
-        m = m_new
-    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-    tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=hd_mask)
 
 
 def merge_loop(o_part, lse_part, plan, out, *, pdl: bool):
-    """The baseline merge at its old launch config (heads a program for ~1024 programs, 4 warps;
-    4 heads and 2 warps for many queries)."""
-    n = plan.merge_q_indices.numel()
-    if n == 0:
-        return
-    heads, d = out.shape[1:]
+    """The merge before this probe (73a951d), the baseline: every query's rows one after another
+    (the library's row loop), at its config then (heads a program for ~1024 programs and 4
+    warps; 4 heads and 2 warps for many queries)."""
+    n, heads = plan.merge_q_indices.numel(), out.shape[1]
     block_h = max(1, min(min(triton.next_power_of_2(heads), 32), 1 << max(0, (n * heads // 1024).bit_length() - 1)))
     block_h, warps = (4, 2) if block_h >= 16 else (block_h, 4)
-    kw = {"PDL": True, "launch_pdl": True} if pdl else {}
-    _merge_loop_kernel[(n, triton.cdiv(heads, block_h))](
-        o_part, lse_part, out, lse_part, plan.merge_q_indices, plan.merge_indptr, plan.merge_indices, heads,
-        o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1), lse_part.stride(0),
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_H=block_h, num_warps=warps, **kw)
+    merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr, plan.merge_indices, out, None,
+                   block_h=block_h, num_warps=warps, row_tile=0, pdl=pdl)
 
 
 def caller(w, plan, q, k, v, out, mode: str, cfg=(None, None)):

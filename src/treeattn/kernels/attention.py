@@ -251,6 +251,21 @@ def _tree_partial_attention_kernel(
 
 
 @triton.jit
+def _store_merged(Out, LSE_out, n, offs_h, offs_d, h_valid, hd_mask, m, den, acc, stride_on, stride_oh,
+                  stride_ln, WRITE_LSE: tl.constexpr):
+    """Store a merged state (running max ``m``, denominator ``den``, numerator ``acc``) as query
+    ``n``'s output rows (0 and an LSE of -inf for heads that saw nothing)."""
+    has = den > 0.0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=hd_mask)
+    if WRITE_LSE:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        lse_out = tl.where(has, m_safe + tl.log2(tl.where(has, den, 1.0)) * LN2, float("-inf"))
+        tl.store(LSE_out + n * stride_ln + offs_h, lse_out, mask=h_valid)
+
+
+@triton.jit
 def _merge_states_kernel(
     O_part, LSE_part, Out, LSE_out, merge_q_indices, merge_indptr, merge_indices,
     num_heads,
@@ -288,14 +303,8 @@ def _merge_states_kernel(
         den = den * scale_old + w
         acc = acc * scale_old[:, None] + w[:, None] * o
         m = m_new
-    has = den > 0.0
-    out = acc / tl.where(has, den, 1.0)[:, None]
-    tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=hd_mask)
-    if WRITE_LSE:
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        lse_out = tl.where(has, m_safe + tl.log2(tl.where(has, den, 1.0)) * LN2, float("-inf"))
-        tl.store(LSE_out + n * stride_ln + offs_h, lse_out, mask=h_valid)
+    _store_merged(Out, LSE_out, n, offs_h, offs_d, h_valid, hd_mask, m, den, acc, stride_on, stride_oh, stride_ln,
+                  WRITE_LSE=WRITE_LSE)
 
 
 @triton.jit
@@ -349,11 +358,5 @@ def _merge_tile_kernel(
         den = den * scale_old + tl.sum(w, 0)
         acc = acc * scale_old[:, None] + tl.sum(w[:, :, None] * o.to(tl.float32), 0)
         m = m_new
-    has = den > 0.0
-    out = acc / tl.where(has, den, 1.0)[:, None]
-    tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=hd_mask)
-    if WRITE_LSE:
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        lse_out = tl.where(has, m_safe + tl.log2(tl.where(has, den, 1.0)) * LN2, float("-inf"))
-        tl.store(LSE_out + n * stride_ln + offs_h, lse_out, mask=h_valid)
+    _store_merged(Out, LSE_out, n, offs_h, offs_d, h_valid, hd_mask, m, den, acc, stride_on, stride_oh, stride_ln,
+                  WRITE_LSE=WRITE_LSE)
