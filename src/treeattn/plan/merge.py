@@ -16,10 +16,11 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=4096)
 def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int = 4) -> tuple[int, int, int]:
     """``(heads per program, warps, row tile)`` of the merge of ``num_queries`` queries of at most
     ``max_rows`` partial rows each; row tile 0: the row loop (``_merge_states_kernel``), else rows
-    a block of ``_merge_tile_kernel``."""
+    a block of ``_merge_tile_kernel``. (Cached: every ``run()`` asks.)"""
     # give the grid at least ~1024 programs before packing several heads into one
     block_d = _pow2_ceil(head_dim)
     cap = min(_pow2_ceil(num_heads), max(1, 4096 // block_d))
@@ -31,9 +32,10 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int 
         return 4, 2, 0
     if block_h >= 8:
         return block_h, 4, 0
-    # few queries: their rows in one load of a row tile, one warp a program (probe_merge_rows.py:
-    # 5-18 rows a query merge 1.3-2.6x faster; 2 and 4 warps were slower, and so were the row
-    # tiles where the grid packs 8 heads a program or more, the row loop's configs above)
+    # few queries: their rows in one load of a row tile, one warp a program (probe_merge_rows.py,
+    # h100_probe_merge_rows.json: merges of 5-18 rows a query 1.4x faster or more, median 1.9x;
+    # 2 and 4 warps were slower, and so were row tiles in the two regimes above: 1.05-1.29x on the
+    # suite's plans of 256-1024 queries, NOTES.md session 29)
     return block_h, 1, merge_row_tile(max_rows, block_h, block_d, 1)
 
 
@@ -44,7 +46,6 @@ def merge_row_tile(max_rows: int, block_h: int, block_d: int, num_warps: int) ->
     return next((r for r in fit if r >= max_rows), fit[-1])
 
 
-@functools.lru_cache(maxsize=1024)
 def merge_tiled(num_queries: int, num_heads: int, head_dim: int) -> bool:
     """Whether the merge of ``num_queries`` queries takes the row tile (rows in one load) rather
     than the row loop."""
