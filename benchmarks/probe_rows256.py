@@ -37,13 +37,15 @@ from treeattn.ops import partial_attention
 from treeattn.plan import launches as launches_mod
 
 CONFIGS = ((32, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2))
+#: ``--max-rows 64``: the 64-row launches that replace 128-row ones, as built and at these configs
+CONFIGS_64 = (None, (32, 4, 3), (64, 4, 2))
 
 
 @contextlib.contextmanager
-def rows256():
-    """Plans made inside may use 256-row query tiles."""
+def rows256(max_rows: int = 256):
+    """Plans made inside use query tiles of at most ``max_rows`` rows (256: one more choice)."""
     old = plan_mod.BLOCK_M_CHOICES
-    plan_mod.BLOCK_M_CHOICES = (*old, 256)
+    plan_mod.BLOCK_M_CHOICES = (*old, 256) if max_rows == 256 else tuple(m for m in old if m <= max_rows)
     launches_mod._tile_tables.cache_clear()
     try:
         yield
@@ -52,16 +54,19 @@ def rows256():
         launches_mod._tile_tables.cache_clear()
 
 
-def with_config(plan, cfg):
-    """``plan`` with its 256-row launches at ``cfg`` = (block_n, warps, stages), pointer loads."""
+def with_config(plan, cfg, block_m: int = 256):
+    """``plan`` with its ``block_m``-row launches at ``cfg`` = (block_n, warps, stages), pointer
+    loads (None: as built)."""
+    if cfg is None:
+        return plan
     bn, nw, ns = cfg
     return dataclasses.replace(plan, launches=tuple(
-        dataclasses.replace(ln, block_n=bn, num_warps=nw, num_stages=ns, tma=False) if ln.block_m == 256 else ln
+        dataclasses.replace(ln, block_n=bn, num_warps=nw, num_stages=ns, tma=False) if ln.block_m == block_m else ln
         for ln in plan.launches))
 
 
-def tall_only(plan):
-    return dataclasses.replace(plan, launches=tuple(ln for ln in plan.launches if ln.block_m >= 128))
+def tall_only(plan, min_rows: int = 128):
+    return dataclasses.replace(plan, launches=tuple(ln for ln in plan.launches if ln.block_m >= min_rows))
 
 
 def check() -> None:
@@ -96,6 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="32/32,32/8,64/8")
     ap.add_argument("--trees", nargs="*", default=None, help="suite specs (default: the whole suite)")
+    ap.add_argument("--max-rows", type=int, default=256, choices=(64, 256),
+                    help="256: allow 256-row tiles; 64: cap tiles at 64 rows")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -105,7 +112,10 @@ def main() -> None:
     from treeattn.bench.timing import graph_us, provenance
     from treeattn.workloads import suite_trees, tree_from_spec
 
-    res = {**provenance(), "configs": [list(c) for c in CONFIGS], "rows": []}
+    big = args.max_rows == 256
+    configs = CONFIGS if big else CONFIGS_64
+    tall_rows = 128 if big else 64  # the launches timed alone: those the change touches
+    res = {**provenance(), "max_rows": args.max_rows, "configs": [c and list(c) for c in configs], "rows": []}
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
@@ -114,25 +124,25 @@ def main() -> None:
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
             if not any(ln.block_m >= 128 for ln in plan.launches):
                 continue
-            with rows256():
+            with rows256(args.max_rows):
                 p256 = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, strategy=plan.strategy)
-            if not any(ln.block_m == 256 for ln in p256.launches):
+            if not any(ln.block_m == args.max_rows for ln in p256.launches):
                 continue
             q, k, v, out = case_inputs(tree, hq, hkv)
             ref = torch.empty_like(out)
             w.run(q, k, v, plan, out=ref)
             row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plan.strategy,
                    "tall_launches": [[ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma,
-                                      ln.work_end - ln.work_start] for ln in plan.launches if ln.block_m >= 128],
+                                      ln.work_end - ln.work_start] for ln in plan.launches if ln.block_m >= tall_rows],
                    "rereads_MB": [plan.io.kv_tile_rereads / 1e6, p256.io.kv_tile_rereads / 1e6],
                    "us": {"planned": graph_us(lambda: w.run(q, k, v, plan, out=out))}, "tall_us": {}, "err": {}}
             o_part, lse_part = w.partial_buffers(plan)
             scale = 1.0 / math.sqrt(HEAD_DIM)
             row["tall_us"]["planned"] = graph_us(lambda: partial_attention(
-                q, k, v, tall_only(plan), o_part, lse_part, sm_scale=scale, out=out))
-            for cfg in CONFIGS:
-                key = "/".join(map(str, cfg))
-                p = with_config(p256, cfg)
+                q, k, v, tall_only(plan, tall_rows), o_part, lse_part, sm_scale=scale, out=out))
+            for cfg in configs:
+                key = "/".join(map(str, cfg)) if cfg else "built"
+                p = with_config(p256, cfg, args.max_rows)
                 o = torch.empty_like(out)
                 try:
                     w.run(q, k, v, p, out=o)
@@ -147,14 +157,14 @@ def main() -> None:
                 row["us"][key] = graph_us(lambda: w.run(q, k, v, p, out=o))
                 o_p, l_p = w.partial_buffers(p)
                 row["tall_us"][key] = graph_us(lambda: partial_attention(
-                    q, k, v, tall_only(p), o_p, l_p, sm_scale=scale, out=o))
+                    q, k, v, tall_only(p, tall_rows), o_p, l_p, sm_scale=scale, out=o))
             res["rows"].append(row)
             best = min(row["us"], key=row["us"].get)
             print(f"{spec[:40]:40s} {hq}/{hkv} {plan.strategy:9s} planned {row['us']['planned']:7.1f} "
                   f"(tall {row['tall_us']['planned']:6.1f}) | "
                   + " ".join(f"{k_} {row['us'][k_]:7.1f} ({row['tall_us'][k_]:6.1f})" for k_ in row["us"] if k_ != "planned")
                   + f" | best {best}", flush=True)
-    for key in ["/".join(map(str, c)) for c in CONFIGS]:
+    for key in ["/".join(map(str, c)) if c else "built" for c in configs]:
         g = [r["us"]["planned"] / r["us"][key] for r in res["rows"] if key in r["us"]]
         t = [r["tall_us"]["planned"] / r["tall_us"][key] for r in res["rows"] if key in r["tall_us"]]
         if g:
