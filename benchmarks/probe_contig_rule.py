@@ -39,7 +39,7 @@ def main() -> None:
             runs = unit_runs(h.kv_slots, h.work_kv_start, h.work_kv_end)
             variants = {"gather": h.gather_launches,
                         "contig": contig_launches(h.gather_launches, runs, hkv, h.num_sms,
-                                                  has_mask=plan.has_mask)}
+                                                  has_mask=plan.has_mask, elem_bytes=2)}
             row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plan.strategy, "us": {}}
             for name, launches in variants.items():
                 p = dataclasses.replace(plan, launches=launches)

@@ -17,6 +17,7 @@ from treeattn.plan.addressing import (
     SPLIT_TAIL_ROWS,
     SPLIT_TAIL_TILES,
     TILE_TALL_CONTIG,
+    TILE_TALL_GATHERED,
     contig_configs,
     contig_launches,
     gathered_configs,
@@ -49,10 +50,10 @@ def test_contig_launch_rule():
     is_run = np.array([True] * 6 + [False] * 2)
     launches = (Launch(16, 64, 0, 2, 4, 3), Launch(64, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
                 Launch(16, 64, 6, 8, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True)  # 16 programs a launch
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)  # 16 programs a launch
     assert [ln.contig for ln in out] == [True, False, True, False]
     assert [ln.num_stages for ln in out] == [2, 3, 2, 3]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16, has_mask=True)  # one wave each
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16, has_mask=True, elem_bytes=2)  # one wave each
     assert [ln.contig for ln in out] == [True, True, True, False]
     assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
 
@@ -64,15 +65,15 @@ def test_tall_contig_launches_take_the_tall_tile():
     tall = Launch(128, 64, 0, 2, 4, 3, masked=False)
     launches = (tall, Launch(128, 64, 2, 4, 4, 3, masked=True), Launch(128, 32, 4, 6, 4, 2, masked=False),
                 Launch(64, 64, 6, 8, 4, 3, masked=False), Launch(128, 64, 8, 10, 4, 3, masked=False, heads_inner=True))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True)  # 16 programs: four waves
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)  # 16 programs: four waves
     assert out[0] == dataclasses.replace(tall, contig=True, block_n=TILE_TALL_CONTIG[0],
                                          num_warps=TILE_TALL_CONTIG[1], num_stages=TILE_TALL_CONTIG[2])
     assert out[1] == launches[1]  # masked: a 64-row rule's gathered launch beyond one wave
-    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False)[0].block_n == 32
+    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False, elem_bytes=2)[0].block_n == 32
     assert out[2] == dataclasses.replace(launches[2], contig=True)
     assert out[3] == launches[3]
     assert out[4].heads_inner and out[4].block_n == TILE_TALL_CONTIG[0]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True)  # eight waves: too many
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=2)  # eight waves: too many
     assert out[0] == tall
     for shape in [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2)]:
         assert (TILE_TALL_CONTIG in contig_configs(*shape)) == (shape[:2] == (128, 64))
@@ -83,15 +84,15 @@ def test_gathered_32_row_launches_of_many_waves_take_two_warps():
     is_run = np.array([False] * 8 + [True] * 2)
     launches = (Launch(32, 64, 0, 2, 4, 3), Launch(32, 32, 2, 4, 4, 2), Launch(64, 64, 4, 6, 4, 3),
                 Launch(16, 64, 6, 8, 4, 3), Launch(32, 64, 8, 10, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=12, num_sms=4, has_mask=False)  # 24 programs: 6 waves
+    out = contig_launches(launches, is_run, num_kv_heads=12, num_sms=4, has_mask=False, elem_bytes=2)  # 24 programs: 6 waves
     assert out[0] == dataclasses.replace(launches[0], num_warps=GATHERED_NARROW_WARPS)
     assert out[1:4] == launches[1:4]
     assert out[4].contig and out[4].num_warps == 4  # a run: computed addresses, four warps
-    out = contig_launches(launches, is_run, num_kv_heads=11, num_sms=4, has_mask=False)  # 22 programs
+    out = contig_launches(launches, is_run, num_kv_heads=11, num_sms=4, has_mask=False, elem_bytes=2)  # 22 programs
     assert out[0] == launches[0]
     for shape in [(32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 3), (64, 64, 4, 3)]:
-        assert ((64, GATHERED_NARROW_WARPS, 3) in gathered_configs(*shape)) == (shape[:2] == (32, 64))
-        assert gathered_configs(*shape)[0] == shape[1:]
+        assert ((64, GATHERED_NARROW_WARPS, 3) in gathered_configs(*shape, elem_bytes=2)) == (shape[:2] == (32, 64))
+        assert gathered_configs(*shape, elem_bytes=2)[0] == shape[1:]
 
 
 def test_split_tail_on_tall_unmasked_launches_of_whole_tiles_or_long_units():
@@ -125,6 +126,42 @@ def test_tall_contig_kernel_matches_reference(device):
     v = torch.randn_like(k)
     ref = reference_attention(q, k, v, tree)[0]
     assert rel_l2(attn.run(*[t.float().to(device) for t in (q, k, v)], plan), ref) <= TOL[torch.float32]
+
+
+def test_gathered_tall_launches_take_the_tall_gathered_tile():
+    """Gathered launches of 128-row tiles over long KV tiles take TILE_TALL_GATHERED with 16-bit
+    caches, masked or not; not with fp32 caches (its seven stages would not fit shared memory),
+    64-row tiles, short KV tiles or runs."""
+    is_run = np.array([False] * 8 + [True] * 2)
+    launches = (Launch(128, 64, 0, 2, 4, 3), Launch(128, 64, 2, 4, 4, 3, masked=True, mask_split=True),
+                Launch(64, 64, 4, 6, 4, 3), Launch(128, 32, 6, 8, 4, 2), Launch(128, 64, 8, 10, 4, 3, masked=False))
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)
+    block_n, num_warps, num_stages = TILE_TALL_GATHERED
+    for i in (0, 1):
+        assert out[i] == dataclasses.replace(launches[i], block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    assert out[2:4] == launches[2:4]
+    assert out[4].contig and out[4].block_n == TILE_TALL_CONTIG[0]
+    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=4)[:4] == launches[:4]
+    assert gathered_configs(128, 64, 4, 3, elem_bytes=2) == [TILE_TALL_GATHERED]
+    assert gathered_configs(128, 64, 4, 3, elem_bytes=4) == [(64, 4, 3)]
+    assert gathered_configs(64, 64, 4, 3, elem_bytes=2) == [(64, 4, 3)]
+
+
+def test_tall_gathered_kernel_matches_reference(rng, device):
+    """The root of ``1,20_100,5`` (one 128-row tile, 64-token KV tiles planned) with its slots
+    scattered over the pool: fp16 plans gather with the tall gathered tile and give the reference
+    output."""
+    tree = shuffled_pages(tree_from_spec("1,20_100,5"), rng)
+    attn = TreeAttention(device=device, backend="triton")
+    plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float16, strategy="node")
+    tall = [ln for ln in plan.launches if ln.block_m == 128]
+    assert tall and all(not ln.contig and (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_GATHERED
+                        for ln in tall)
+    q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
+    k = torch.randn(int(tree.kv_indices.max()) + 1, 1, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    ref = reference_attention(q, k, v, tree)[0]
+    assert rel_l2(attn.run(*[t.half().to(device) for t in (q, k, v)], plan), ref) <= TOL[torch.float16]
 
 
 def shuffled_pages(tree: DecodingTree, rng) -> DecodingTree:

@@ -150,9 +150,9 @@ def test_precompile_launches_every_variant():
     # mask split (masked plan only), and tall ones unmasked also with the split tail; merge head
     # blocks 1, 2, 4 (few queries) with each of their 5 row tiles and 8 (the row loop), with and
     # without LSE
-    configs = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes)
+    configs = sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes)
     assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
-    tall = sum(len(gathered_configs(*s)) + len(contig_configs(*s)) for s in shapes if s[0] >= 64)
+    tall = sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes if s[0] >= 64)
     assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 2 * tall + 2 * (3 * 5 + 1)
 
 

@@ -321,7 +321,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
         # descriptors with ``tma``, always with the split tail), gathered 32-row ones two warps,
         # unmasked tall ones the split tail (plan.addressing)
         configs = [cfg for shape in launch_shapes(heads)
-                   for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape)]
+                   for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape, elem_bytes=heads.elem_bytes)]
                    + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
                    + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
         for (m, n, warps, stages, contig, tma_), direct, inner, split, tail in itertools.product(

@@ -12,7 +12,7 @@ import numpy as np
 
 from treeattn.topology import slot_breaks
 
-__all__ = ["TILE_TALL_CONTIG", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
+__all__ = ["TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
            "runs_between", "split_tails", "tall_tile", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
@@ -25,6 +25,9 @@ TALL_CONTIG_WAVES = 6
 #: TMA_MIN_TOKENS, ``tokens`` or more with at most ``waves`` x SMs programs
 TILE_TALL_TMA = (128, 8, 3)
 TMA_MIN_TOKENS = ((0.75, 384), (1, 1024), (TALL_CONTIG_WAVES, 2048))
+#: The config of gathered launches of query tiles of at least TALL_CONTIG_ROWS rows over long
+#: items, 16-bit caches (:func:`contig_launches`)
+TILE_TALL_GATHERED = (32, 4, 7)
 #: Gathered launches of GATHERED_NARROW_ROWS-row tiles over long items with at least
 #: GATHERED_NARROW_WAVES waves of programs run GATHERED_NARROW_WARPS warps a program
 GATHERED_NARROW_ROWS = 32
@@ -51,10 +54,12 @@ def runs_between(breaks: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.
             np.searchsorted(breaks, work_kv_end, side="left")) | (work_kv_end <= work_kv_start)
 
 
-def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int, *, has_mask: bool) -> tuple:
-    """``launches`` (of a plan with a tree mask or not: ``has_mask``) with :attr:`Launch.contig`
-    set where every work unit is a run of slots (``is_run``, bool [W]) and affine addresses pay,
-    and the launch config of each (tile, warps, stages) for its addressing.
+def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int, *, has_mask: bool,
+                    elem_bytes: int) -> tuple:
+    """``launches`` (of a plan with a tree mask or not: ``has_mask``; caches of ``elem_bytes``
+    bytes an element) with :attr:`Launch.contig` set where every work unit is a run of slots
+    (``is_run``, bool [W]) and affine addresses pay, and the launch config of each (tile, warps,
+    stages) for its addressing.
 
     Addresses affine in the loop counter stream faster than gathered ones: a lone program walking
     4K tokens runs 1.5x faster (addresses computed from registers but not affine are as slow as
@@ -71,6 +76,13 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
     Launches that keep gathering with 32-row tiles over long items and many waves of programs run
     two warps a program: 1.03-1.12x faster on all twelve such launches of the suite's GQA plans
     (deep trees, 1024-2048 programs), 0.87-0.91x at 256 programs (benchmarks/probe_warps.py).
+    Those with the tallest tiles over long items (a root glued to a node, the deep trees' paths)
+    take :data:`TILE_TALL_GATHERED` with 16-bit caches: at 64-token tiles, 4 warps and 3 stages the
+    kernel spills (255 registers a thread, Triton 3.6), at 32-token tiles and 7 stages it does not,
+    and each K/V tile's slot load leaves a deeper pipeline more to hide. On an H100 the suite's ten
+    such plans (128-256 programs) ran 0.99-1.20x as fast, geomean 1.043x; 5 stages 1.038x, 3
+    stages 0.985x (benchmarks/probe_gathered_tall.py). Seven stages of 16-bit 32-token tiles and a
+    128-row query tile take ~147 KB of shared memory: one program a SM.
     """
     out = []
     for ln in launches:
@@ -78,6 +90,10 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
         if not programs:
             out.append(ln)
         elif not is_run[ln.work_start: ln.work_end].all():
+            if _gathered_tall(ln.block_m, ln.block_n, elem_bytes):
+                block_n, num_warps, num_stages = TILE_TALL_GATHERED
+                out.append(dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages))
+                continue
             narrow = _gathered_narrow(ln.block_m, ln.block_n) and programs >= GATHERED_NARROW_WAVES * num_sms
             out.append(dataclasses.replace(ln, num_warps=GATHERED_NARROW_WARPS) if narrow else ln)
         elif tall_tile(ln.block_m, ln.block_n, programs, num_sms) and not (has_mask and ln.masked):
@@ -160,11 +176,18 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, n
     return tuple(out)
 
 
-def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
+def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int, *, elem_bytes: int) -> list:
     """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a launch
     planned with this shape that keeps gathering (what :func:`treeattn.ops.precompile` compiles)."""
+    if _gathered_tall(block_m, block_n, elem_bytes):
+        return [TILE_TALL_GATHERED]
     return [(block_n, num_warps, num_stages)] + [(block_n, GATHERED_NARROW_WARPS, num_stages)] * _gathered_narrow(
         block_m, block_n)
+
+
+def _gathered_tall(block_m: int, block_n: int, elem_bytes: int) -> bool:
+    """A gathered launch of this shape takes TILE_TALL_GATHERED."""
+    return block_m >= TALL_CONTIG_ROWS and block_n >= 64 and elem_bytes == 2
 
 
 def _gathered_narrow(block_m: int, block_n: int) -> bool:

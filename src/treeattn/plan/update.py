@@ -82,7 +82,7 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
             is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
             return tuple(_with_hints(x, now) for x, now in zip(
                 contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
-                                has_mask=plan.has_mask), plan.launches))
+                                has_mask=plan.has_mask, elem_bytes=plan.heads.elem_bytes), plan.launches))
     return tuple(out)
 
 
