@@ -15,7 +15,10 @@ config. Outputs are checked against the planned plan's.
 
 Usage::
 
-    python benchmarks/probe_gathered_tall.py [--heads 32/32,32/8,64/8] [--out FILE]
+    python benchmarks/probe_gathered_tall.py [--heads 32/32,32/8,64/8] [--select gathered|contig] [--out FILE]
+
+``--select contig`` varies the tall contig launches (``TILE_TALL_CONTIG``, no TMA) instead, at
+``CONFIGS_CONTIG``.
 """
 from __future__ import annotations
 
@@ -30,19 +33,29 @@ from treeattn import TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import graph_us, provenance
 from treeattn.ops import partial_attention
+from treeattn.plan.addressing import TILE_TALL_CONTIG, TILE_TALL_GATHERED
 from treeattn.workloads import suite_trees, tree_from_spec
 
 CONFIGS = ((32, 4, 3), (32, 4, 5), (32, 4, 7))
+#: ``--select contig``: tall contig launches at TILE_TALL_CONTIG, deeper
+CONFIGS_CONTIG = ((32, 4, 4), (32, 4, 5), (32, 4, 7))
 
 
 def gathered_tall(ln) -> bool:
-    return not ln.contig and not ln.tma and ln.block_m >= 64 and ln.block_n == 64
+    """A gathered launch of >= 64 rows over long items, as planned before TILE_TALL_GATHERED (the
+    launches it now takes are selected too)."""
+    return not ln.contig and not ln.tma and ln.block_m >= 64 and (
+        ln.block_n == 64 or (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_GATHERED)
 
 
-def with_config(plan, cfg):
+def contig_tall(ln) -> bool:
+    return ln.contig and not ln.tma and (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_CONTIG
+
+
+def with_config(plan, cfg, select=gathered_tall):
     bn, nw, ns = cfg
     return dataclasses.replace(plan, launches=tuple(
-        dataclasses.replace(ln, block_n=bn, num_warps=nw, num_stages=ns) if gathered_tall(ln) else ln
+        dataclasses.replace(ln, block_n=bn, num_warps=nw, num_stages=ns) if select(ln) else ln
         for ln in plan.launches))
 
 
@@ -50,16 +63,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="32/32,32/8,64/8")
     ap.add_argument("--trees", nargs="*", default=None)
+    ap.add_argument("--select", default="gathered", choices=("gathered", "contig"),
+                    help="the launches to vary: gathered tall ones, or contig ones at TILE_TALL_CONTIG")
     ap.add_argument("--out")
     args = ap.parse_args()
-    res = {**provenance(), "configs": [list(c) for c in CONFIGS], "rows": []}
+    select = gathered_tall if args.select == "gathered" else contig_tall
+    configs = CONFIGS if args.select == "gathered" else CONFIGS_CONTIG
+    res = {**provenance(), "select": args.select, "configs": [list(c) for c in configs], "rows": []}
     name = lambda c: "/".join(map(str, c))  # noqa: E731
     for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
             w = TreeAttention(device="cuda")
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
-            hits = [i for i, ln in enumerate(plan.launches) if gathered_tall(ln)]
+            hits = [i for i, ln in enumerate(plan.launches) if select(ln)]
             if not hits:
                 continue
             q, k, v, out = case_inputs(tree, hq, hkv)
@@ -73,8 +90,8 @@ def main() -> None:
                                 for ln in plan.launches],
                    "hits": hits, "us": {"planned": graph_us(lambda: w.run(q, k, v, plan, out=ref))},
                    "alone": {}, "err": {}}
-            for cfg in (None, *CONFIGS):
-                p = plan if cfg is None else with_config(plan, cfg)
+            for cfg in (None, *configs):
+                p = plan if cfg is None else with_config(plan, cfg, select)
                 key = "planned" if cfg is None else name(cfg)
                 if cfg is not None:
                     o = torch.empty_like(out)
@@ -95,7 +112,7 @@ def main() -> None:
                   f"planned {base:7.1f} | "
                   + " ".join(f"{k_} x{base / t:.3f}" for k_, t in row["us"].items() if k_ != "planned")
                   + " | alone " + " ".join(f"{k_} {t:6.1f}" for k_, t in row["alone"].items()), flush=True)
-    for cfg in CONFIGS:
+    for cfg in configs:
         key = name(cfg)
         for label, sel in (("all", lambda r: True),
                            ("128-row", lambda r: any(r["launches"][i][0] >= 128 for i in r["hits"])),
