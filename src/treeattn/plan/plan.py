@@ -106,7 +106,9 @@ class Launch:
 
     ``contig``: every work unit of the launch reads one run of consecutive slots, so the kernel
     computes its K/V addresses instead of loading them from ``kv_indices`` (see
-    :func:`~treeattn.plan.addressing.contig_launches`).
+    :func:`~treeattn.plan.addressing.contig_launches`, which also sets the tile config of the
+    launches that keep gathering: two warps for many 32-row programs, 32-token tiles and a deep
+    pipeline for tall ones).
 
     ``split_tail``: the kernel runs each unmasked unit's whole KV tiles with a select-free
     softmax step and its last, partial tile after the loop (set for tall query tiles, whose
