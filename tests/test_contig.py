@@ -60,7 +60,8 @@ def test_contig_launch_rule():
 
 def test_tall_contig_launches_take_the_tall_tile():
     """128-row tiles of long KV tiles over runs take TILE_TALL_CONTIG up to six waves, unless
-    masked (their mask split was planned for their own KV tile) or of short KV tiles."""
+    masked (their mask split was planned for their own KV tile) or of short KV tiles; those that
+    keep gathering take TILE_TALL_GATHERED."""
     is_run = np.ones(10, dtype=bool)
     tall = Launch(128, 64, 0, 2, 4, 3, masked=False)
     launches = (tall, Launch(128, 64, 2, 4, 4, 3, masked=True), Launch(128, 32, 4, 6, 4, 2, masked=False),
@@ -68,13 +69,15 @@ def test_tall_contig_launches_take_the_tall_tile():
     out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)  # 16 programs: four waves
     assert out[0] == dataclasses.replace(tall, contig=True, block_n=TILE_TALL_CONTIG[0],
                                          num_warps=TILE_TALL_CONTIG[1], num_stages=TILE_TALL_CONTIG[2])
-    assert out[1] == launches[1]  # masked: a 64-row rule's gathered launch beyond one wave
+    gathered = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_GATHERED))
+    assert out[1] == dataclasses.replace(launches[1], **gathered)  # masked: gathered beyond one wave
     assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False, elem_bytes=2)[0].block_n == 32
     assert out[2] == dataclasses.replace(launches[2], contig=True)
     assert out[3] == launches[3]
     assert out[4].heads_inner and out[4].block_n == TILE_TALL_CONTIG[0]
     out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=2)  # eight waves: too many
-    assert out[0] == tall
+    assert out[0] == dataclasses.replace(tall, **gathered)
+    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=4)[0] == tall
     for shape in [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2)]:
         assert (TILE_TALL_CONTIG in contig_configs(*shape)) == (shape[:2] == (128, 64))
 

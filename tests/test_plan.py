@@ -293,3 +293,36 @@ def test_leaf_packing_can_be_turned_off():
     heads = HeadConfig(32, 32, 128, torch.float16)
     plan = make_plan(wide, heads, strategy="node", cost=CostModel(leaf_packing=False))
     assert "packed" not in plan.reason and plan.num_items == wide.num_nodes
+
+
+PRECOMPILE_HEADS = [HeadConfig(32, 8, 128, torch.float16), HeadConfig(64, 8, 128, torch.bfloat16),
+                    HeadConfig(32, 32, 128, torch.float16), HeadConfig(8, 2, 64, torch.float32),
+                    HeadConfig(16, 4, 256, torch.float16)]
+
+
+def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> None:
+    """Every launch of every strategy's plan of ``tree`` (TMA allowed or not) is a variant that
+    ``precompile`` compiles: a serving loop that precompiled never waits for Triton's JIT."""
+    from treeattn.ops import launch_configs
+
+    for tma in (False, True):
+        known = set(launch_configs(heads, tma=tma))
+        cost = CostModel(tma=tma)
+        for strategy in strategies:
+            for ln in make_plan(tree, heads, strategy=strategy, cost=cost).launches:
+                cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
+                assert cfg in known, (strategy, heads, ln)
+
+
+@pytest.mark.parametrize("heads", PRECOMPILE_HEADS, ids=str)
+@given(tree=forests(max_nodes=300, max_len=300))
+def test_precompile_covers_random_forests(heads, tree):
+    assert_precompiled(tree, heads, STRATEGIES)
+
+
+@pytest.mark.parametrize("spec", suite_trees("all"))
+def test_precompile_covers_the_kernel_suite(spec):
+    """The suite's trees at full size (tall query tiles, long runs that take TMA)."""
+    tree = tree_from_spec(spec)
+    for heads in PRECOMPILE_HEADS[:3]:
+        assert_precompiled(tree, heads, ("auto", "node", "greedy", "paths"))

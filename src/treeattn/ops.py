@@ -28,7 +28,7 @@ from treeattn.plan.merge import MERGE_ROW_TILES, merge_config, merge_row_tile
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "launch_cache", "precompile", "check_triton_device"]
+           "launch_cache", "launch_configs", "precompile", "check_triton_device"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -292,11 +292,25 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
 
 
+def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
+    """Every ``(block_m, block_n, num_warps, num_stages, contig, tma)`` an attention launch of a
+    plan for ``heads`` can have (``tma``: plans may take
+    :func:`~treeattn.plan.addressing.tma_launches`): each planned shape gathering its slots or
+    computing them, as :mod:`treeattn.plan.addressing` configures each (contig launches may run
+    one pipeline stage less, tall ones another tile, through tensor descriptors with ``tma``;
+    gathered 32-row ones two warps, gathered tall ones their own tile)."""
+    return [cfg for shape in launch_shapes(heads)
+            for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape, elem_bytes=heads.elem_bytes)]
+            + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
+            + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
+
+
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
                tma: bool = False) -> int:
-    """Launch every partial-attention variant (query-tile height x KV tile x tree mask x direct
-    output x grid order x mask split x slot addressing) and every merge variant a plan for ``heads`` can use once, on dummy data, so that Triton compiles them
-    now rather than in the middle of serving (a first-seen shape stalls decoding for seconds).
+    """Launch every partial-attention variant a plan for ``heads`` can use (each of
+    :func:`launch_configs` x tree mask x direct output x grid order x mask split x split tail)
+    and every merge variant once, on dummy data, so that Triton compiles them now rather than in
+    the middle of serving (a first-seen shape stalls decoding for seconds).
     ``pdl``: the variants :func:`partial_attention` and :func:`merge_partials` launch with ``pdl``.
     ``tma``: the plans may take :func:`~treeattn.plan.addressing.tma_launches`
     (:func:`~treeattn.plan.addressing.tma_loads`).
@@ -317,15 +331,8 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        # contig launches may run one pipeline stage less, tall ones another tile (through tensor
-        # descriptors with ``tma``, always with the split tail), gathered 32-row ones two warps,
-        # unmasked tall ones the split tail (plan.addressing)
-        configs = [cfg for shape in launch_shapes(heads)
-                   for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape, elem_bytes=heads.elem_bytes)]
-                   + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
-                   + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
         for (m, n, warps, stages, contig, tma_), direct, inner, split, tail in itertools.product(
-                configs, (0, plan.num_direct), (False, True), (False, True), (False, True)):
+                launch_configs(heads, tma=tma), (0, plan.num_direct), (False, True), (False, True), (False, True)):
             if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
                     or (tma_ and not tail):
                 continue

@@ -76,8 +76,9 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
     Launches that keep gathering with 32-row tiles over long items and many waves of programs run
     two warps a program: 1.03-1.12x faster on all twelve such launches of the suite's GQA plans
     (deep trees, 1024-2048 programs), 0.87-0.91x at 256 programs (benchmarks/probe_warps.py).
-    Those with the tallest tiles over long items (a root glued to a node, the deep trees' paths)
-    take :data:`TILE_TALL_GATHERED` with 16-bit caches: at 64-token tiles, 4 warps and 3 stages the
+    Launches of the tallest tiles over long items that keep gathering (units that are no runs: a
+    root glued to a node, the deep trees' paths; or runs beyond the waves above) take
+    :data:`TILE_TALL_GATHERED` with 16-bit caches: at 64-token tiles, 4 warps and 3 stages the
     kernel spills (255 registers a thread, Triton 3.6), at 32-token tiles and 7 stages it does not,
     and each K/V tile's slot load leaves a deeper pipeline more to hide. On an H100 the suite's ten
     such plans (128-256 programs) ran 0.99-1.20x as fast, geomean 1.043x; 5 stages 1.038x, 3
@@ -90,18 +91,14 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
         if not programs:
             out.append(ln)
         elif not is_run[ln.work_start: ln.work_end].all():
-            if _gathered_tall(ln.block_m, ln.block_n, elem_bytes):
-                block_n, num_warps, num_stages = TILE_TALL_GATHERED
-                out.append(dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages))
-                continue
             narrow = _gathered_narrow(ln.block_m, ln.block_n) and programs >= GATHERED_NARROW_WAVES * num_sms
-            out.append(dataclasses.replace(ln, num_warps=GATHERED_NARROW_WARPS) if narrow else ln)
+            out.append(dataclasses.replace(ln, num_warps=GATHERED_NARROW_WARPS) if narrow else _gathered_tile(ln, elem_bytes))
         elif tall_tile(ln.block_m, ln.block_n, programs, num_sms) and not (has_mask and ln.masked):
             block_n, num_warps, num_stages = TILE_TALL_CONTIG
             out.append(dataclasses.replace(ln, contig=True, block_n=block_n, num_warps=num_warps,
                                            num_stages=num_stages))
         elif ln.block_m >= 64 and ln.block_n >= 64 and programs > num_sms:
-            out.append(ln)
+            out.append(_gathered_tile(ln, elem_bytes))
         else:
             stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms else ln.num_stages
             out.append(dataclasses.replace(ln, contig=True, num_stages=stages))
@@ -183,6 +180,14 @@ def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int
         return [TILE_TALL_GATHERED]
     return [(block_n, num_warps, num_stages)] + [(block_n, GATHERED_NARROW_WARPS, num_stages)] * _gathered_narrow(
         block_m, block_n)
+
+
+def _gathered_tile(ln, elem_bytes: int):
+    """``ln``, a launch that gathers its slots, at TILE_TALL_GATHERED where it takes it."""
+    if not _gathered_tall(ln.block_m, ln.block_n, elem_bytes):
+        return ln
+    block_n, num_warps, num_stages = TILE_TALL_GATHERED
+    return dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
 def _gathered_tall(block_m: int, block_n: int, elem_bytes: int) -> bool:
