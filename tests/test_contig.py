@@ -150,16 +150,20 @@ def test_gathered_tall_launches_take_the_tall_gathered_tile():
     assert gathered_configs(64, 64, 4, 3, elem_bytes=2) == [(64, 4, 3)]
 
 
-def test_tall_gathered_kernel_matches_reference(rng, device):
+@pytest.mark.parametrize("inside", [0, 12])
+def test_tall_gathered_kernel_matches_reference(rng, device, inside):
     """The root of ``1,20_100,5`` (one 128-row tile, 64-token KV tiles planned) with its slots
-    scattered over the pool: fp16 plans gather with the tall gathered tile and give the reference
-    output."""
-    tree = shuffled_pages(tree_from_spec("1,20_100,5"), rng)
+    scattered over the pool, and with ``inside`` more queries inside the root (the tree mask):
+    fp16 plans gather with the tall gathered tile and give the reference output."""
+    tree = tree_from_spec("1,20_100,5")
+    tree = shuffled_pages(tree.with_queries(np.concatenate([tree.query_nodes, np.zeros(inside, dtype=np.int64)]),
+                                            np.concatenate([tree.query_prefix, rng.integers(1, 100, inside)])), rng)
     attn = TreeAttention(device=device, backend="triton")
     plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float16, strategy="node")
     tall = [ln for ln in plan.launches if ln.block_m == 128]
     assert tall and all(not ln.contig and (ln.block_n, ln.num_warps, ln.num_stages) == TILE_TALL_GATHERED
                         for ln in tall)
+    assert plan.has_mask == bool(inside) and all(ln.masked for ln in tall) >= bool(inside)
     q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
     k = torch.randn(int(tree.kv_indices.max()) + 1, 1, 2, 32, dtype=torch.float64)
     v = torch.randn_like(k)
