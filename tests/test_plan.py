@@ -301,15 +301,24 @@ PRECOMPILE_HEADS = [HeadConfig(32, 8, 128, torch.float16), HeadConfig(64, 8, 128
 
 
 def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> None:
-    """Every launch of every strategy's plan of ``tree`` (TMA allowed or not) is a variant that
-    ``precompile`` compiles: a serving loop that precompiled never waits for Triton's JIT."""
+    """Every launch of every strategy's plan of ``tree`` (TMA allowed or not), and of its lazy
+    update after a decode step whose new slots follow no node's last slot (the grown units gather),
+    is a variant that ``precompile`` compiles: a serving loop that precompiled never waits for
+    Triton's JIT."""
     from treeattn.ops import launch_configs
+    from treeattn.plan.update import update_plan
 
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
+    counts[tree.query_nodes[tree.query_prefix == tree.lengths[tree.query_nodes]]] = 1
+    top = int(tree.kv_indices.max()) + 2 if tree.num_tokens else 0
+    grown = tree.append(counts, top + 2 * np.arange(counts.sum()))
     for tma in (False, True):
         known = set(launch_configs(heads, tma=tma))
         cost = CostModel(tma=tma)
         for strategy in strategies:
-            for ln in make_plan(tree, heads, strategy=strategy, cost=cost).launches:
+            plan = make_plan(tree, heads, strategy=strategy, cost=cost)
+            updated = update_plan(plan, grown)
+            for ln in plan.launches + (updated.launches if updated is not None else ()):
                 cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
                 assert cfg in known, (strategy, heads, ln)
 
