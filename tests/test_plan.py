@@ -303,10 +303,14 @@ PRECOMPILE_HEADS = [HeadConfig(32, 8, 128, torch.float16), HeadConfig(64, 8, 128
 def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> None:
     """Every launch of every strategy's plan of ``tree`` (TMA allowed or not), and of its lazy
     update after a decode step whose new slots follow no node's last slot (the grown units gather),
-    is a variant that ``precompile`` compiles: a serving loop that precompiled never waits for
-    Triton's JIT."""
-    from treeattn.ops import launch_configs
+    and every merge config of them, is a variant that ``precompile`` compiles: a serving loop that
+    precompiled never waits for Triton's JIT."""
+    from treeattn.ops import launch_configs, merge_launches
+    from treeattn.plan.merge import merge_config
     from treeattn.plan.update import update_plan
+
+    hq, d = heads.num_qo_heads, heads.head_dim
+    merges = {merge_config(n, hq, d, rows) for n, rows in merge_launches(heads)}
 
     counts = np.zeros(tree.num_nodes, dtype=np.int64)
     counts[tree.query_nodes[tree.query_prefix == tree.lengths[tree.query_nodes]]] = 1
@@ -318,9 +322,12 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
         for strategy in strategies:
             plan = make_plan(tree, heads, strategy=strategy, cost=cost)
             updated = update_plan(plan, grown)
-            for ln in plan.launches + (updated.launches if updated is not None else ()):
-                cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
-                assert cfg in known, (strategy, heads, ln)
+            for p in (plan, updated) if updated is not None else (plan,):
+                for ln in p.launches:
+                    cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
+                    assert cfg in known, (strategy, heads, ln)
+                n = p.merge_q_indices.numel()
+                assert not n or merge_config(n, hq, d, p.merge_rows_max) in merges, (strategy, heads, n)
 
 
 @pytest.mark.parametrize("heads", PRECOMPILE_HEADS, ids=str)

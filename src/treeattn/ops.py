@@ -28,7 +28,7 @@ from treeattn.plan.merge import MERGE_ROW_TILES, merge_config, merge_row_tile
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "launch_cache", "launch_configs", "precompile", "check_triton_device"]
+           "launch_cache", "launch_configs", "merge_launches", "precompile", "check_triton_device"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -342,20 +342,28 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl)
             launches += 1
-    # every merge config merge_config gives: the query counts that reach each head block, each
-    # with every row tile it can take
-    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
-    for block_h in (1 << k for k in range(cap.bit_length())):
-        n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
+    for n, rows in merge_launches(heads):
         o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.zeros(n, hq, device=device)
         idx = torch.arange(n + 1, dtype=torch.int32, device=device)
         out = torch.empty(n, hq, d, device=device, dtype=dt)
-        for rows in sorted({merge_config(n, hq, d, r)[2] for r in MERGE_ROW_TILES}):
-            for lse in (None, torch.empty(n, hq, device=device)):
-                merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, max_rows=rows, pdl=pdl)
-                launches += 1
+        for lse in (None, torch.empty(n, hq, device=device)):
+            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, max_rows=rows, pdl=pdl)
+            launches += 1
     return launches
+
+
+def merge_launches(heads: HeadConfig) -> list:
+    """``(queries, max_rows)`` of merges that between them take every config
+    :func:`~treeattn.plan.merge.merge_config` gives for ``heads``: the query counts that reach
+    each head block, each with every row tile it can take (what :func:`precompile` launches)."""
+    hq, d = heads.num_qo_heads, heads.head_dim
+    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
+    out = []
+    for block_h in (1 << k for k in range(cap.bit_length())):
+        n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
+        out += [(n, rows) for rows in sorted({merge_config(n, hq, d, r)[2] for r in MERGE_ROW_TILES})]
+    return out
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:
