@@ -81,7 +81,7 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
     :data:`TILE_TALL_GATHERED` with 16-bit caches: at 64-token tiles, 4 warps and 3 stages the
     kernel spills (255 registers a thread, Triton 3.6), at 32-token tiles and 7 stages it does not,
     and each K/V tile's slot load leaves a deeper pipeline more to hide. On an H100 the suite's ten
-    such plans (128-256 programs) ran 0.99-1.20x as fast, geomean 1.043x; 5 stages 1.038x, 3
+    such plans (128-512 programs) ran 0.99-1.20x as fast, geomean 1.043x; 5 stages 1.038x, 3
     stages 0.985x (benchmarks/probe_gathered_tall.py). Seven stages of 16-bit 32-token tiles and a
     128-row query tile take ~147 KB of shared memory: one program a SM.
     """
