@@ -2,7 +2,7 @@
 
 Premise (`h100_probe_cohabit.json`): the gathered 128-row launches (units that are not runs of
 slots: a 32-token root glued to a node, say) run 64-token KV tiles at 4 warps and 3 stages, where
-the kernel takes 255 registers a thread and spills (Triton 3.6: 20-54 bytes). The same launches
+the kernel takes 255 registers a thread and spills (Triton 3.6: 18-54 bytes). The same launches
 with 32-token tiles and 7-8 stages spill nothing and ran 1.20-1.29x faster alone on 6 of 7 cases
 (`1,4,16,512_1024,256,128,32` 32/8 60.9 -> 50.6 us; the deep PAT tree at 64/8 125.4 -> 97.3).
 Contig tall launches already take 32-token tiles (``TILE_TALL_CONTIG``); gathered ones keep the
