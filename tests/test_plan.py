@@ -119,6 +119,13 @@ def test_auto_explains_its_choice():
     assert f"auto chose {plan.strategy}" in text and "estimates" in text
     for s in STRATEGIES[1:]:
         assert s in text
+    # one entry a launch: programs (query tiles x KV heads), tile, warps, stages, addressing
+    listed = text.split("launches: ")[1].split("\n")[0].split("; ")
+    assert len(listed) == len(plan.launches)
+    for ln, entry in zip(plan.launches, listed):
+        programs = (ln.work_end - ln.work_start) * HEADS.num_kv_heads
+        assert entry.startswith(f"{programs} programs of {ln.block_m}-row x {ln.block_n}-token tiles, "
+                                f"{ln.num_warps} warps, {ln.num_stages} stages")
 
 
 def test_pack_merges_short_prefixes_and_splits_long_ones():

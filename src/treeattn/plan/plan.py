@@ -304,13 +304,14 @@ class Plan:
         return -(-outputs // 4) * 4 + self.num_rows * h.num_qo_heads * 4
 
     def explain(self) -> str:
-        """Why this plan: the strategy, its choice (for ``auto``) and its IO."""
+        """Why this plan: the strategy, its choice (for ``auto``), its launches and its IO."""
         io = self.io
         lines = [f"strategy={self.strategy}: {self.num_items} work items -> {self.num_work} "
                  f"query tiles in {len(self.launches)} launch(es){' (tallest first)' if self.tall_first else ''}, "
                  f"{self.num_rows} rows "
                  f"({self.num_direct} written directly, {self.merge_q_indices.numel()} queries "
                  f"merged), mask={'on' if self.has_mask else 'off'}",
+                 "launches: " + "; ".join(self._launch_text(ln) for ln in self.launches),
                  f"IO bytes: kv={io.kv:,} (+{io.kv_tile_rereads:,} query-tile re-reads) "
                  f"queries={io.queries:,} partials={io.partial_write + io.partial_read:,} "
                  f"mask={io.mask:,} index={io.index:,} output={io.output:,} total={io.total:,}"]
@@ -323,6 +324,15 @@ class Plan:
         if self.reason:
             lines.append(self.reason)
         return "\n".join(lines)
+
+    def _launch_text(self, ln: Launch) -> str:
+        """One launch as :meth:`explain` lists it: programs, tile, warps, stages, addressing."""
+        addressing = "TMA" if ln.tma else "computed addresses" if ln.contig else "gathered slots"
+        flags = [name for name, on in (("masked", ln.masked and self.has_mask), ("split tail", ln.split_tail),
+                                       ("heads inner", ln.heads_inner)) if on]
+        return (f"{(ln.work_end - ln.work_start) * self.heads.num_kv_heads} programs of {ln.block_m}-row x "
+                f"{ln.block_n}-token tiles, {ln.num_warps} warps, {ln.num_stages} stages, {addressing}"
+                + "".join(f", {f}" for f in flags))
 
 
 def split_masked_launches(launches, work_kv_start: np.ndarray, work_mask_start: np.ndarray) -> tuple:
