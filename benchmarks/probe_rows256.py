@@ -18,6 +18,7 @@ the planned plan's (fp16 relative L2).
 Usage::
 
     python benchmarks/probe_rows256.py [--heads 32/32,32/8,64/8] [--trees ...] [--out FILE]
+    python benchmarks/probe_rows256.py --max-rows 64   # tiles capped at 64 rows instead
     TRITON_INTERPRET=1 python benchmarks/probe_rows256.py --check   # CPU: 256-row plans vs reference
 """
 from __future__ import annotations
