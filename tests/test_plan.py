@@ -312,12 +312,12 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     update after a decode step whose new slots follow no node's last slot (the grown units gather),
     and every merge config of them, is a variant that ``precompile`` compiles: a serving loop that
     precompiled never waits for Triton's JIT."""
-    from treeattn.ops import launch_configs, merge_launches
-    from treeattn.plan.merge import merge_config
+    from treeattn.ops import launch_configs
+    from treeattn.plan.merge import merge_config, merge_launches
     from treeattn.plan.update import update_plan
 
     hq, d = heads.num_qo_heads, heads.head_dim
-    merges = {merge_config(n, hq, d, rows) for n, rows in merge_launches(heads)}
+    merges = {merge_config(n, hq, d, rows) for n, rows in merge_launches(hq, d)}
 
     counts = np.zeros(tree.num_nodes, dtype=np.int64)
     counts[tree.query_nodes[tree.query_prefix == tree.lengths[tree.query_nodes]]] = 1

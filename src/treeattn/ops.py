@@ -24,11 +24,11 @@ from treeattn.plan.addressing import (
     contig_configs,
     gathered_configs,
 )
-from treeattn.plan.merge import MERGE_ROW_TILES, merge_config, merge_row_tile
+from treeattn.plan.merge import merge_config, merge_launches, merge_row_tile
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "launch_cache", "launch_configs", "merge_launches", "precompile", "check_triton_device"]
+           "launch_cache", "launch_configs", "precompile", "check_triton_device"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -270,9 +270,11 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     heads, d = out.shape[1:]
     block_d = triton.next_power_of_2(d)
     cfg = merge_config(n, heads, d, max_rows)
+    if row_tile is None:  # the config's kernel; its tile resized only for overridden heads or warps
+        row_tile = cfg[2]
+        if row_tile and (block_h or num_warps):
+            row_tile = merge_row_tile(max_rows, block_h or cfg[0], block_d, num_warps or cfg[1])
     block_h, num_warps = block_h or cfg[0], num_warps or cfg[1]
-    if row_tile is None:  # (the config's kernel, its tile sized for these heads and warps)
-        row_tile = cfg[2] and merge_row_tile(max_rows, block_h, block_d, num_warps)
     grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
     args = (o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
@@ -342,7 +344,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
                                          num_direct=direct)
             partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl)
             launches += 1
-    for n, rows in merge_launches(heads):
+    for n, rows in merge_launches(hq, d):
         o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.zeros(n, hq, device=device)
         idx = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -352,18 +354,6 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
             launches += 1
     return launches
 
-
-def merge_launches(heads: HeadConfig) -> list:
-    """``(queries, max_rows)`` of merges that between them take every config
-    :func:`~treeattn.plan.merge.merge_config` gives for ``heads``: the query counts that reach
-    each head block, each with every row tile it can take (what :func:`precompile` launches)."""
-    hq, d = heads.num_qo_heads, heads.head_dim
-    cap = min(triton.next_power_of_2(hq), max(1, 4096 // triton.next_power_of_2(d)))
-    out = []
-    for block_h in (1 << k for k in range(cap.bit_length())):
-        n = -(-block_h * 1024 // hq)  # the query count merge_partials gives this head block
-        out += [(n, rows) for rows in sorted({merge_config(n, hq, d, r)[2] for r in MERGE_ROW_TILES})]
-    return out
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:

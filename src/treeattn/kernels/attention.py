@@ -308,6 +308,18 @@ def _merge_states_kernel(
 
 
 @triton.jit
+def _load_row_block(O_part, LSE_part, rows, r_valid, offs_h, offs_d, h_valid, hd_mask, stride_pn, stride_ph,
+                    stride_pln):
+    """The LSEs ``[R, H]`` (-inf where invalid) and outputs ``[R, H, D]`` (0) of partial rows
+    ``rows`` (valid where ``r_valid``)."""
+    rh = r_valid[:, None] & h_valid[None, :]
+    lse = tl.load(LSE_part + rows[:, None] * stride_pln + offs_h[None, :], mask=rh, other=float("-inf"))
+    o = tl.load(O_part + rows[:, None, None] * stride_pn + offs_h[None, :, None] * stride_ph
+                + offs_d[None, None, :], mask=rh[:, :, None] & hd_mask[None, :, :], other=0.0)
+    return lse, o
+
+
+@triton.jit
 def _merge_tile_kernel(
     O_part, LSE_part, Out, LSE_out, merge_q_indices, merge_indptr, merge_indices,
     num_heads,
@@ -335,10 +347,8 @@ def _merge_tile_kernel(
     rows = tl.load(merge_indices + start + offs_r, mask=offs_r < end - start, other=0).to(tl.int64)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    rh = (offs_r < end - start)[:, None] & h_valid[None, :]
-    lse = tl.load(LSE_part + rows[:, None] * stride_pln + offs_h[None, :], mask=rh, other=float("-inf"))
-    o = tl.load(O_part + rows[:, None, None] * stride_pn + offs_h[None, :, None] * stride_ph
-                + offs_d[None, None, :], mask=rh[:, :, None] & hd_mask[None, :, :], other=0.0)
+    lse, o = _load_row_block(O_part, LSE_part, rows, offs_r < end - start, offs_h, offs_d, h_valid, hd_mask,
+                             stride_pn, stride_ph, stride_pln)
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2((lse - m_safe[None, :]) * LOG2E)
@@ -347,11 +357,9 @@ def _merge_tile_kernel(
     # queries of more rows than a block (the row tile is sized for the plan's longest merge, up
     # to a register budget): the next blocks, merged online
     for r0 in range(start + BLOCK_R, end, BLOCK_R):
-        rh = (offs_r < end - r0)[:, None] & h_valid[None, :]
         rows = tl.load(merge_indices + r0 + offs_r, mask=offs_r < end - r0, other=0).to(tl.int64)
-        lse = tl.load(LSE_part + rows[:, None] * stride_pln + offs_h[None, :], mask=rh, other=float("-inf"))
-        o = tl.load(O_part + rows[:, None, None] * stride_pn + offs_h[None, :, None] * stride_ph
-                    + offs_d[None, None, :], mask=rh[:, :, None] & hd_mask[None, :, :], other=0.0)
+        lse, o = _load_row_block(O_part, LSE_part, rows, offs_r < end - r0, offs_h, offs_d, h_valid, hd_mask,
+                                 stride_pn, stride_ph, stride_pln)
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         scale_old = tl.exp2((m - m_safe) * LOG2E)

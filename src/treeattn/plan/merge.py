@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["MERGE_ROW_TILES", "MERGE_TILE_VALUES", "merge_config", "merge_row_tile", "merge_tiled"]
+__all__ = ["MERGE_ROW_TILES", "MERGE_TILE_VALUES", "merge_config", "merge_launches", "merge_row_tile",
+           "merge_tiled"]
 
 #: Row tiles of the merge of few queries (powers of two); a tile holds at most MERGE_TILE_VALUES
 #: fp32 values a warp
@@ -23,8 +24,8 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int 
     a block of ``_merge_tile_kernel``. (Cached: every ``run()`` asks.)"""
     # give the grid at least ~1024 programs before packing several heads into one
     block_d = _pow2_ceil(head_dim)
-    cap = min(_pow2_ceil(num_heads), max(1, 4096 // block_d))
-    block_h = max(1, min(cap, 1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
+    block_h = max(1, min(_head_cap(num_heads, head_dim),
+                         1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
     if block_h >= 16:
         # many queries: 4 heads a program and 2 warps keep more rows' loads in flight than 16-32
         # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees
@@ -37,6 +38,22 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int 
     # 2 and 4 warps were slower, and so were row tiles in the two regimes above: 1.05-1.29x on the
     # suite's plans of 256-1024 queries, NOTES.md session 29)
     return block_h, 1, merge_row_tile(max_rows, block_h, block_d, 1)
+
+
+def _head_cap(num_heads: int, head_dim: int) -> int:
+    """The most heads a merge program takes."""
+    return min(_pow2_ceil(num_heads), max(1, 4096 // _pow2_ceil(head_dim)))
+
+
+def merge_launches(num_heads: int, head_dim: int) -> list:
+    """``(queries, max_rows)`` of merges that between them take every config :func:`merge_config`
+    gives: the query counts that reach each head block, each with every row tile it can take
+    (what :func:`treeattn.ops.precompile` launches)."""
+    out = []
+    for k in range(_head_cap(num_heads, head_dim).bit_length()):
+        n = -(-(1 << k) * 1024 // num_heads)  # the query count that gives head block 1 << k
+        out += [(n, rows) for rows in sorted({merge_config(n, num_heads, head_dim, r)[2] for r in MERGE_ROW_TILES})]
+    return out
 
 
 def merge_row_tile(max_rows: int, block_h: int, block_d: int, num_warps: int) -> int:
