@@ -47,12 +47,16 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--streams", type=int, default=None, help="TreeAttention(streams=) (default: its own)")
+    ap.add_argument("--pdl", default="auto", choices=["auto", "on", "off"], help="TreeAttention(pdl=None/True/False)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     strategies = args.strategies.split(",")
     d, dtype = 128, torch.float16
+    pdl = {"auto": None, "on": True, "off": False}[args.pdl]
+    mode = TreeAttention(device=dev, streams=args.streams, pdl=pdl)
     rows, failures = [], []
     t_start = time.time()
     for spec in suite_trees(args.suite):
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
             row = {"tree": spec, "hq": hq, "hkv": hkv, "requests": nq, "tree_tokens": nt,
                    "err": {}, "us": {}, "graph_us": {}, "work": {}}
             for s in strategies:
-                w = TreeAttention(device=dev)
+                w = TreeAttention(device=dev, streams=args.streams, pdl=pdl)
                 plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy=s)
                 out = torch.full_like(q, float("nan"))
                 w.run(q, kc, vc, plan, out=out)
@@ -84,6 +88,7 @@ def main(argv=None) -> int:
                 name = s if s != "auto" else f"auto({plan.strategy})"
                 row["err"][s] = err
                 row["work"][s] = plan.num_work
+                row.setdefault("merge_last", {})[s] = plan.merge_last
                 if not ok:
                     failures.append(f"{spec} {hq}/{hkv} {name}: err={err:.2e} graph_same={graph_same}")
                 if not args.no_bench:
@@ -96,7 +101,7 @@ def main(argv=None) -> int:
             print(f"{spec:48s} {hq}/{hkv} maxerr={max(row['err'].values()):.1e} us: {us}", flush=True)
             torch.cuda.empty_cache()
     result = {
-        **provenance(), "dtype": "float16", "head_dim": d, "tolerance": 1e-2, "seconds": round(time.time() - t_start, 1),
+        **provenance(), "streams": mode.num_streams, "pdl": mode.pdl, "dtype": "float16", "head_dim": d, "tolerance": 1e-2, "seconds": round(time.time() - t_start, 1),
         "failures": failures, "rows": rows,
     }
     if args.out:

@@ -146,14 +146,17 @@ def test_precompile_launches_every_variant():
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
     # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
     # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV
-    # tiles also with 2 warps; x2 for the direct-output variant, x2 for the grid order, x2 for the
-    # mask split (masked plan only), and tall ones unmasked also with the split tail; merge head
-    # blocks 1, 2, 4 (few queries) with each of their 5 row tiles and 8 (the row loop), with and
-    # without LSE
-    configs = sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes)
+    # tiles also with 2 warps; x2 for the direct-output variant (x3 for tiles of <= 32 rows, which
+    # may also merge as a plan's last launch), x2 for the grid order, x2 for the mask split (masked
+    # plan only), and tall ones unmasked also with the split tail; merge head blocks 1, 2, 4 (few
+    # queries) with each of their 5 row tiles and 8 (the row loop), with and without LSE
+    def count(rows):
+        return sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes if s[0] in rows)
+
+    configs, tall, short = count((16, 32, 64, 128)), count((64, 128)), count((16, 32))
     assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
-    tall = sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes if s[0] >= 64)
-    assert precompile(heads, page_size=16, device=DEVICE) == (2 * 2 + 2 * 2 * 2) * configs + 2 * 2 * tall + 2 * (3 * 5 + 1)
+    assert precompile(heads, page_size=16, device=DEVICE) == \
+        (2 * 2 + 2 * 2 * 2) * configs + (2 + 2 * 2) * short + 2 * 2 * tall + 2 * (3 * 5 + 1)
 
 
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
@@ -235,6 +238,56 @@ def test_tall_first_launch_order_matches_reference(rng, device, strategy, spec):
     w.run(q, k[:, None], v[:, None], dataclasses.replace(plan, tall_first=not plan.tall_first), out=out, lse=lse)
     o_ref, lse_ref = reference_attention(q.double(), k[:, None].double(), v[:, None].double(), tree)
     assert rel_l2(out.double(), o_ref) <= 1e-4 and rel_l2(lse.double(), lse_ref) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy,spec,tall_first", [
+    ("node", "2,8_300,20", False), ("greedy", "1,4,16_300,40,9", True), ("node", "1,20_400,20", True),
+    ("node_chunk", "1,2,8_40,24,5", False), ("flatten", "2,8_30,9", True), ("flatten", "2,8_300,20", False),
+    ("node", "1,3_600,5", True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_last_launch_merges_like_the_merge_launch(rng, device, strategy, spec, tall_first, dtype):
+    """``Plan.merge_last``: the launch that runs last (the first with ``tall_first``) folds each
+    query's other partial rows, written by the launches before it, into its own row and writes
+    the output and LSE: no merge launch. It matches the float64 reference and the merge launch."""
+    from treeattn.ops import merge_partials, partial_attention
+
+    tree, hq, hkv, d = tree_from_spec(spec), 8, 2, 32
+    q = torch.randn(tree.num_queries, hq, d).to(dtype)
+    k, v = (torch.randn(tree.num_tokens, hkv, d).to(dtype) for _ in range(2))
+    paged, kc, vc = paged_copy(tree, k, v, 16, rng)
+    o_ref, lse_ref = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    q, kc, vc = (t.to(device) for t in (q, kc, vc))
+    w = TreeAttention(device=device, backend="triton", streams=0, cost=CostModel(side_streams=tall_first,
+                                                                                    tall_first_s=0.0))
+    plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy=strategy)
+    assert plan.merge_last and plan.tall_first == tall_first and plan.merge_q_indices.numel() > 0
+    w._workspace.fill_(float("nan"))  # (the last launch writes no partial row the output needs)
+    out, lse = w.run(q, kc, vc, plan, return_lse=True)
+    assert rel_l2(out.double().cpu(), o_ref) <= TOL[dtype] and rel_l2(lse.double().cpu(), lse_ref) <= TOL[dtype]
+    # the same plan through the partial rows and the merge launch
+    o_part, lse_part = w.partial_buffers(plan)
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    partial_attention(q, kc, vc, plan, o_part, lse_part, sm_scale=d ** -0.5, out=out2, lse_out=lse2)
+    merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr, plan.merge_indices, out2, lse2,
+                   max_rows=plan.merge_rows_max)
+    assert rel_l2(out.float(), out2.float()) <= TOL[dtype] and rel_l2(lse, lse2) <= 1e-5
+
+
+def test_merge_last_needs_a_plan_that_allows_it(device):
+    """Asking the kernels to merge in the last launch of a plan without ``merge_last`` (one
+    launch; or beside side streams) is an error, not a wrong output."""
+    from treeattn.ops import partial_attention
+
+    tree = tree_from_spec("1,3_600,5")
+    w = TreeAttention(device=device, backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy="sequence")
+    assert not plan.merge_last
+    q = torch.randn(tree.num_queries, 4, 32, device=device)
+    kc = torch.randn(tree.num_tokens, 1, 2, 32, device=device)
+    o_part, lse_part = w.partial_buffers(plan)
+    with pytest.raises(ValueError, match="merge_last"):
+        partial_attention(q, kc, kc, plan, o_part, lse_part, sm_scale=0.1, out=torch.empty_like(q),
+                          merge_last=True)
 
 
 def test_builder_orders_heads_inner_for_long_work_units():
@@ -346,7 +399,7 @@ def test_pdl_launches_match_serial_launches(rng, strategy, spec):
     tree = tree_from_spec(spec)
     q, k, v = (torch.randn(n, h, 64, device="cuda", dtype=torch.float16)
                for n, h in ((tree.num_queries, 8), (tree.num_tokens, 2), (tree.num_tokens, 2)))
-    serial = TreeAttention(device="cuda", streams=0)
+    serial = TreeAttention(device="cuda", streams=0, pdl=False)
     plan = serial.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=64, strategy=strategy)
     want, want_lse = serial.run(q, k[:, None], v[:, None], plan, return_lse=True)
     w = TreeAttention(torch.empty(plan.workspace_bytes() // 4 + 1, device="cuda"), streams=0, pdl=True)

@@ -8,7 +8,7 @@ from hypothesis import given
 
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
-from treeattn.plan.build import _pair_visibility
+from treeattn.plan.build import MERGE_LAST_MAX_ROWS, _pair_visibility, launch_merges
 from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
 from treeattn.plan.node import node_items
 from treeattn.plan.split import split_long_items
@@ -47,6 +47,12 @@ def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
     bounds = [(l.work_start, l.work_end) for l in plan.launches]
     assert bounds[0][0] == 0 and bounds[-1][1] == plan.num_work
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), "launches must tile the work units"
+    # merge_last: the launch that runs last holds one row of every merged query (of few rows)
+    last = plan.launches[0] if plan.tall_first else plan.launches[-1]
+    rows = plan.work_row_indptr.numpy()[[last.work_start, last.work_end]]
+    in_last = np.bincount(plan.row_q_indices.numpy()[rows[0]:rows[1]], minlength=tree.num_queries)
+    assert plan.merge_last == bool(len(plan.launches) > 1 and (~direct).any() and launch_merges(last.block_m, last.tma)
+                                   and merge_counts.max() <= MERGE_LAST_MAX_ROWS and (in_last[~direct] == 1).all())
     return plan
 
 
@@ -333,6 +339,8 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
                 for ln in p.launches:
                     cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
                     assert cfg in known, (strategy, heads, ln)
+                last = p.launches[0] if p.tall_first else p.launches[-1]
+                assert not p.merge_last or launch_merges(last.block_m, last.tma), (strategy, heads, last)
                 n = p.merge_q_indices.numel()
                 assert not n or merge_config(n, hq, d, p.merge_rows_max) in merges, (strategy, heads, n)
 

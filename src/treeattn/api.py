@@ -47,11 +47,15 @@ class TreeAttention:
     cost : CostModel, optional
         Cost model for the balancing planners and ``auto`` (default: ``CostModel()``, with
         ``side_streams=False`` when ``streams`` is 0 without ``pdl``, and ``tma`` as resolved).
-    streams : int
+    streams : int or None
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
-        them one after another. Destroying a graph with side-stream branches waits for its
-        queued replays, so code that captures ``run()`` every step (the engine) uses 0.
+        them one after another on one stream, where the last launch merges the partial rows
+        itself when the plan allows (:attr:`~treeattn.plan.plan.Plan.merge_last`: no merge
+        launch). None: 0 where ``pdl`` applies (it overlaps the launches on one stream and was
+        faster under graph replay on the H100: benchmarks/NOTES.md, session 31), else 3.
+        Destroying a graph with side-stream branches waits for its queued replays, so code that
+        captures ``run()`` every step (the engine) uses 0.
     pdl : bool or None
         Run a plan's launches and its merge as programmatic dependent launches on one stream
         (CUDA devices of compute capability 9.0 or later, ``streams=0``): each launch starts
@@ -72,7 +76,7 @@ class TreeAttention:
     """
 
     def __init__(self, workspace: torch.Tensor | None = None, *, device=None, backend: str = "auto",
-                 cost: CostModel | None = None, streams: int = 3, pdl: bool | None = False,
+                 cost: CostModel | None = None, streams: int | None = None, pdl: bool | None = None,
                  tma: bool | None = None):
         if workspace is not None:
             if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.float32:
@@ -83,12 +87,14 @@ class TreeAttention:
         self._workspace = workspace
         self._owns_workspace = workspace is None
         self._views = weakref.WeakKeyDictionary()  # plan -> (workspace, o_part, lse_part)
+        hopper = (self.backend == "triton" and self.device.type == "cuda"
+                  and torch.cuda.get_device_capability(self.device)[0] >= 9)
+        if streams is None:
+            streams = 0 if hopper and pdl is not False else 3
         if streams < 0:
             raise ValueError(f"streams must be >= 0, got {streams}")
         self._streams = (tuple(torch.cuda.Stream(self.device) for _ in range(streams))
                          if self.backend == "triton" and self.device.type == "cuda" else ())
-        hopper = (self.backend == "triton" and self.device.type == "cuda"
-                  and torch.cuda.get_device_capability(self.device)[0] >= 9)
         supported = not streams and hopper
         if pdl and not supported:
             raise ValueError("pdl needs the triton backend on a CUDA device of compute capability 9.0 "
@@ -99,6 +105,11 @@ class TreeAttention:
         # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
         self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl,
                                       tma=hopper if tma is None else bool(tma), pdl=self.pdl)
+
+    @property
+    def num_streams(self) -> int:
+        """Side streams of the captured ``run()`` (0: the launches run in order on one stream)."""
+        return len(self._streams)
 
     def plan(self, tree: DecodingTree, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype = torch.float16, strategy: str = "auto") -> Plan:
@@ -214,12 +225,16 @@ class TreeAttention:
             # side streams only pay under a CUDA graph: eagerly, each fork and join costs more
             # host time than the launches' overlap saves (benchmarks/NOTES.md)
             streams = self._streams if self._streams and torch.cuda.is_current_stream_capturing() else ()
+            # launches in order on one stream: the last one merges, where the plan allows (decided
+            # by the wrapper's streams, not by capture, so a graph replays what eager runs)
+            merge_last = plan.merge_last and not self._streams
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
                               lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
-                              pdl=self.pdl)
-            merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
-                           plan.merge_indices, out, lse, max_rows=plan.merge_rows_max, pdl=self.pdl,
-                           cache=launch_cache(plan) if q.is_cuda else None)
+                              pdl=self.pdl, merge_last=merge_last)
+            if not merge_last:
+                merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
+                               plan.merge_indices, out, lse, max_rows=plan.merge_rows_max, pdl=self.pdl,
+                               cache=launch_cache(plan) if q.is_cuda else None)
         return (out, lse) if return_lse else out
 
 

@@ -150,7 +150,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                       streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
-                      layer_stride: int = 0, pdl: bool = False) -> None:
+                      layer_stride: int = 0, pdl: bool = False, merge_last: bool = False) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan`` (on CUDA, through
     the plan's :func:`launch_cache`).
 
@@ -176,6 +176,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     one before has started, and they finish in order (see the kernel), so they overlap on one
     stream as on side streams. The next kernel on the stream must be a
     :func:`merge_partials` with ``pdl`` or an ordinary launch.
+
+    With ``merge_last`` (``plan.merge_last``, no ``streams``) the launch that runs last merges
+    every query's partial rows and writes ``out``: no :func:`merge_partials` follows.
     """
     check_triton_device(q)
     h = plan.heads
@@ -188,6 +191,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     direct = plan.num_direct > 0
     if direct and out is None:
         raise ValueError("this plan writes single-row queries to the output: pass out=")
+    if merge_last and (not plan.merge_last or out is None or streams):
+        raise ValueError("merge_last needs a plan whose last launch can merge (plan.merge_last), out= "
+                         "and no side streams")
     out_arg = out if out is not None else o_part  # never written without DIRECT
     lse_arg = lse_out if lse_out is not None else lse_part
     if layer is None:
@@ -202,7 +208,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         # the plan object) and each launch's config: one key part for all of them
         cache = launch_cache(plan)
         call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None,
-                pdl, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
+                pdl, merge_last, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
     if pdl and (side or q.device.type != "cuda"):
         raise ValueError("pdl needs CUDA tensors and no side streams")
     pdl_args = _pdl_kwargs(pdl)
@@ -210,13 +216,15 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     for stream in side:  # fork before anything is queued on the main stream
         stream.wait_stream(main)
 
+    last = len(plan.launches) - 1
+
     def launch_group(i: int, launch, first: bool) -> None:
         descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
                  if launch.tma and launch.contig and h.head_dim == block_d else None)
         args = (
             q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
-            plan.row_q_indices, plan.row_direct, *mask_args,
+            plan.row_q_indices, plan.row_direct, *mask_args, plan.merge_indptr, plan.merge_indices,
             launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride, int(first),
             *strides)
         # (descriptors go through Triton's own path: it specialises them on more)
@@ -224,14 +232,16 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if _launch_kept(kept, (i, call), args):
             return
         units = launch.work_end - launch.work_start
+        merges = merge_last and i == last
         grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
         kwargs = dict(
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
-            CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct, WRITE_LSE=direct and lse_out is not None,
-            DOT_PRECISION=precision, UPCAST=upcast,
-            TMA=descs is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_args)
+            CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
+            WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
+            TMA=descs is not None, MERGE_ROWS=merges, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            **pdl_args)
         _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))
 
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
@@ -310,7 +320,8 @@ def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
                tma: bool = False) -> int:
     """Launch every partial-attention variant a plan for ``heads`` can use (each of
-    :func:`launch_configs` x tree mask x direct output x grid order x mask split x split tail)
+    :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
+    order x mask split x split tail)
     and every merge variant once, on dummy data, so that Triton compiles them now rather than in
     the middle of serving (a first-seen shape stalls decoding for seconds).
     ``pdl``: the variants :func:`partial_attention` and :func:`merge_partials` launch with ``pdl``.
@@ -320,6 +331,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     Returns the number of launches made.
     """
     from treeattn.plan import make_plan
+    from treeattn.plan.build import launch_merges
     from treeattn.tree import DecodingTree
 
     hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype
@@ -333,16 +345,20 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
-        for (m, n, warps, stages, contig, tma_), direct, inner, split, tail in itertools.product(
-                launch_configs(heads, tma=tma), (0, plan.num_direct), (False, True), (False, True), (False, True)):
+        # rows: to the merge, direct where final, or merging (a plan's last launch)
+        for (m, n, warps, stages, contig, tma_), rows, inner, split, tail in itertools.product(
+                launch_configs(heads, tma=tma), ("part", "direct", "merge"), (False, True), (False, True),
+                (False, True)):
             if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
-                    or (tma_ and not tail):
+                    or (tma_ and not tail) or (rows == "merge" and not launch_merges(m, tma_)):
                 continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
                                                                 heads_inner=inner, mask_split=split,
                                                                 contig=contig, split_tail=tail, tma=tma_),),
-                                         num_direct=direct)
-            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl)
+                                         num_direct=plan.num_direct if rows == "direct" else 0,
+                                         merge_launch=0 if rows == "merge" else -1)
+            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl,
+                              merge_last=rows == "merge")
             launches += 1
     for n, rows in merge_launches(hq, d):
         o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)

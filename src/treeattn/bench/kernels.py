@@ -52,7 +52,7 @@ def case_run(tree, hq: int, hkv: int, inputs: tuple, *, strategy: str = "auto", 
 
 
 def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict, *,
-               streams: int = 3, pdl: bool = False, tma: bool | None = None) -> dict:
+               streams: int | None = None, pdl: bool | None = None, tma: bool | None = None) -> dict:
     tree = tree_from_spec(spec)
     dev = torch.device("cuda")
     q, k, v, out = case_inputs(tree, hq, hkv)
@@ -141,14 +141,16 @@ def run(args) -> int:
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     anchors = load_anchors()
     bandwidth = copy_bandwidth()
+    pdl = {"auto": None, "on": True, "off": False}[args.pdl]
+    mode = TreeAttention(device="cuda", streams=args.streams, pdl=pdl)  # (the launch mode, resolved)
     cases = [(spec, hq, hkv) for spec in suite_trees(args.suite) for hq, hkv in heads]
     rows = []
     for spec, hq, hkv in track(cases, description="bench kernels"):
         rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors, streams=args.streams,
-                               pdl=args.pdl, tma=False if args.no_tma else None))
+                               pdl=pdl, tma=False if args.no_tma else None))
         torch.cuda.empty_cache()
     result = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16",
-              "head_dim": HEAD_DIM, "streams": args.streams, "pdl": args.pdl, "tma": not args.no_tma, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
+              "head_dim": HEAD_DIM, "streams": mode.num_streams, "pdl": mode.pdl, "tma": not args.no_tma, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
               "CUDA-graph replay of run()", "rows": rows, "summary": summarize(rows)}
     console = Console(width=200)
     table = Table("tree", "heads", "req", "tokens", "roof us", *[f"{s} us (x)" for s in strategies],
@@ -177,10 +179,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"])
     p.add_argument("--heads", default="32/32,32/8,64/8")
     p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
-    p.add_argument("--streams", type=int, default=3,
-                   help="side streams for a plan's launches of different tile shapes (0: serial)")
-    p.add_argument("--pdl", action="store_true",
-                   help="programmatic dependent launches on one stream (needs --streams 0)")
+    p.add_argument("--streams", type=int, default=None,
+                   help="side streams for a plan's launches of different tile shapes (0: one stream; "
+                        "default: 0 where programmatic dependent launches apply, else 3)")
+    p.add_argument("--pdl", default="auto", choices=["auto", "on", "off"],
+                   help="programmatic dependent launches on one stream (Hopper, --streams 0)")
     p.add_argument("--no-tma", action="store_true",
                    help="load K/V through pointers only (no tensor descriptors on Hopper)")
     p.add_argument("--out", default="benchmarks/results/h200_kernels.json")

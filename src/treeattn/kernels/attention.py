@@ -96,13 +96,50 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
+@triton.jit
+def _fold_row(m_i, l_i, acc, r, rows, O_part, LSE_part, head, offs_d, d_valid, stride_pn, stride_ph, stride_pln):
+    """Fold partial row ``r`` (per tile row; skipped where negative or the tile's own row) into a
+    tile's online-softmax state (log2 units). Its LSE is natural-log and its output normalised:
+    it weighs ``2^lse2`` in all."""
+    use = (r >= 0) & (r != rows)
+    lse2 = tl.load(LSE_part + r * stride_pln + head, mask=use, other=float("-inf")) * LOG2E
+    o = tl.load(O_part + r[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
+                mask=use[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
+    m_new = tl.maximum(m_i, lse2)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    w = tl.exp2(lse2 - m_safe)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
+
+
+@triton.jit
+def _store_rows(O_part, LSE_part, Out, LSE_out, row_direct, rows, q_idx, head, row_valid, offs_d, d_valid, o, lse,
+                stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
+                DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Store a tile's rows: as partial rows for the merge, or (``DIRECT``) the rows flagged in
+    ``row_direct`` (their query's only row) as outputs."""
+    to_part = row_valid
+    if DIRECT:
+        final = tl.load(row_direct + rows, mask=row_valid, other=0) != 0
+        to_part = row_valid & ~final
+        to_out = row_valid & final
+        tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(Out.dtype.element_ty), mask=to_out[:, None] & d_valid[None, :])
+        if WRITE_LSE:
+            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=to_out)
+    # partials of 16-bit inputs are 16-bit: o is normalised, so it rounds like the output
+    tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
+             o.to(O_part.dtype.element_ty), mask=to_part[:, None] & d_valid[None, :])
+    tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
+
+
 # work_offset (the launch's first work unit) takes any value: specialising on it (== 1, multiple
 # of 16) would compile new variants in the middle of decoding (pdl_first: two variants for one)
 @triton.jit(do_not_specialize=["work_offset", "pdl_first"])
 def _tree_partial_attention_kernel(
     Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
-    tree_mask, query_pos, query_prefix,
+    tree_mask, query_pos, query_prefix, merge_indptr, merge_indices,
     work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer, pdl_first,
     stride_qn, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -113,7 +150,7 @@ def _tree_partial_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr = False, TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False, MERGE_ROWS: tl.constexpr = False,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -136,6 +173,11 @@ def _tree_partial_attention_kernel(
     letting the next one start; the others read only what that predecessor's predecessors wrote,
     so they run beside it and wait for it only before they exit: every launch then finishes
     after the one before it, and the merge's wait covers them all.
+
+    With ``MERGE_ROWS`` (a plan's last launch, when each query with several partial rows has
+    exactly one in it: :attr:`~treeattn.plan.plan.Plan.merge_last`), every program merges its
+    rows' queries' other rows, written by the launches before it, and writes the outputs: the
+    plan needs no merge launch.
     """
     if PDL:
         if pdl_first:
@@ -180,6 +222,17 @@ def _tree_partial_attention_kernel(
     if UPCAST:
         # Triton's CPU interpreter computes bf16 dots wrongly; it runs them in fp32 instead
         q = q.to(tl.float32)
+    # the merge map of the rows' queries, read now so that only their other rows' loads wait
+    # for the launches before (MERGE_ROWS)
+    m_start = tl.zeros([BLOCK_M], tl.int32)
+    m_count = m_start
+    r0 = m_start.to(tl.int64) - 1
+    r1 = r0
+    if MERGE_ROWS:
+        m_start = tl.load(merge_indptr + q_idx, mask=row_valid, other=0)
+        m_count = tl.load(merge_indptr + q_idx + 1, mask=row_valid, other=0) - m_start
+        r0 = tl.load(merge_indices + m_start, mask=m_count > 0, other=-1).to(tl.int64)
+        r1 = tl.load(merge_indices + m_start + 1, mask=m_count > 1, other=-1).to(tl.int64)
     split = kv_end
     if HAS_MASK:
         qpos = tl.load(query_pos + q_idx, mask=row_valid, other=-1)
@@ -229,25 +282,33 @@ def _tree_partial_attention_kernel(
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
                 DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
 
+    rows = (row_start + q_local).to(tl.int64)
+    if MERGE_ROWS:
+        if PDL:  # (the launch before this one finishes after all the others: see above)
+            tl.extra.cuda.gdc_wait()
+        # every other row of the rows' queries (merge_indices[merge_indptr[q]:merge_indptr[q + 1]])
+        m_i, l_i, acc = _fold_row(m_i, l_i, acc, r0, rows, O_part, LSE_part, head, offs_d, d_valid,
+                                  stride_pn, stride_ph, stride_pln)
+        m_i, l_i, acc = _fold_row(m_i, l_i, acc, r1, rows, O_part, LSE_part, head, offs_d, d_valid,
+                                  stride_pn, stride_ph, stride_pln)
+        for j in range(2, tl.max(m_count, axis=0)):
+            r = tl.load(merge_indices + m_start + j, mask=j < m_count, other=-1).to(tl.int64)
+            m_i, l_i, acc = _fold_row(m_i, l_i, acc, r, rows, O_part, LSE_part, head, offs_d, d_valid,
+                                      stride_pn, stride_ph, stride_pln)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
-    rows = (row_start + q_local).to(tl.int64)
-    to_part = row_valid
-    if DIRECT:
-        final = tl.load(row_direct + rows, mask=row_valid, other=0) != 0
-        to_part = row_valid & ~final
-        to_out = row_valid & final
+    if MERGE_ROWS:  # every row is final
         tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(Out.dtype.element_ty), mask=to_out[:, None] & d_valid[None, :])
+                 o.to(Out.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
         if WRITE_LSE:
-            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=to_out)
-    # partials of 16-bit inputs are 16-bit: o is normalised, so it rounds like the output
-    tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
-             o.to(O_part.dtype.element_ty), mask=to_part[:, None] & d_valid[None, :])
-    tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=row_valid)
+    else:
+        _store_rows(O_part, LSE_part, Out, LSE_out, row_direct, rows, q_idx, head, row_valid, offs_d, d_valid, o,
+                    lse, stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
+                    DIRECT=DIRECT, WRITE_LSE=WRITE_LSE)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -246,6 +246,12 @@ class Plan:
         Run the launches in reverse order: some program of a tall launch is long enough to be
         the critical path (:meth:`CostModel.tall_first`), and the first launch's programs are
         dispatched first.
+    merge_launch : int
+        The launch (index into ``launches``) that holds exactly one partial row of every query
+        that has several, and may merge them (:func:`~treeattn.plan.build.launch_merges`), or -1.
+        When it runs last (:attr:`merge_last`) and the launches run in order on one stream, it
+        merges each query's rows itself and no merge launch is needed
+        (:func:`~treeattn.ops.partial_attention`'s ``merge_last``).
     candidates : tuple of (str, float)
         ``auto`` plans: every strategy with the cost model's estimate in seconds, best first
         (the engine times the near-best ones); empty for other plans.
@@ -279,6 +285,13 @@ class Plan:
     candidates: tuple = ()
     tall_first: bool = False
     merge_rows_max: int = 0
+    merge_launch: int = -1
+
+    @property
+    def merge_last(self) -> bool:
+        """The launch that runs last (the first with ``tall_first``) can merge every query's
+        partial rows (:attr:`merge_launch`)."""
+        return self.merge_launch == (0 if self.tall_first else len(self.launches) - 1) >= 0
 
     @property
     def num_rows(self) -> int:
@@ -310,7 +323,8 @@ class Plan:
                  f"query tiles in {len(self.launches)} launch(es){' (tallest first)' if self.tall_first else ''}, "
                  f"{self.num_rows} rows "
                  f"({self.num_direct} written directly, {self.merge_q_indices.numel()} queries "
-                 f"merged), mask={'on' if self.has_mask else 'off'}",
+                 f"merged{' by the last launch on one stream' if self.merge_last else ''}), "
+                 f"mask={'on' if self.has_mask else 'off'}",
                  "launches: " + "; ".join(self._launch_text(ln) for ln in self.launches),
                  f"IO bytes: kv={io.kv:,} (+{io.kv_tile_rereads:,} query-tile re-reads) "
                  f"queries={io.queries:,} partials={io.partial_write + io.partial_read:,} "
