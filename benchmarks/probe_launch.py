@@ -14,7 +14,8 @@ import json
 
 from treeattn.bench.kernels import case_inputs, case_run
 from treeattn.bench.timing import host_profile, host_us, provenance
-from treeattn.kernels import attention as kernels
+from treeattn.kernels.attention import _tree_partial_attention_kernel
+from treeattn.kernels.merge import _merge_states_kernel
 from treeattn.workloads import tree_from_spec
 
 CASES = ["1,256_256,32", "1,16,64_1024,256,32", "1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16"]
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
             whole = host_us(run, 200)
             # every compiled kernel run() launched, with the arguments it was given
             spy = Spy()
-            for fn in (kernels._tree_partial_attention_kernel, kernels._merge_states_kernel):
+            for fn in (_tree_partial_attention_kernel, _merge_states_kernel):
                 for cache in fn.device_caches.values():
                     for compiled in cache[0].values():
                         spy.wrap(compiled)
@@ -78,7 +79,7 @@ def main(argv=None) -> None:
             calls = list(spy.calls)
             launcher_only = host_us(lambda: [real(*a) for _, real, a in calls], 200)
             jit_calls = []
-            for fn in (kernels._tree_partial_attention_kernel, kernels._merge_states_kernel):
+            for fn in (_tree_partial_attention_kernel, _merge_states_kernel):
                 with JitSpy(fn) as js:
                     run()
                 jit_calls += [(js.real, a, kw) for a, kw in js.calls]

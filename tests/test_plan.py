@@ -8,8 +8,9 @@ from hypothesis import given
 
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
-from treeattn.plan.build import MERGE_LAST_MAX_ROWS, _pair_visibility, launch_merges
+from treeattn.plan.build import _pair_visibility
 from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
+from treeattn.plan.merge import MERGE_LAST_MAX_ROWS, launch_merges
 from treeattn.plan.node import node_items
 from treeattn.plan.split import split_long_items
 from treeattn.reference import visibility_mask

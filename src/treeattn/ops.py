@@ -16,7 +16,8 @@ import triton
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from treeattn.kernels.attention import LOG2E, _merge_states_kernel, _merge_tile_kernel, _tree_partial_attention_kernel
+from treeattn.kernels.attention import LOG2E, _tree_partial_attention_kernel
+from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
 from treeattn.plan.addressing import (
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
@@ -24,7 +25,7 @@ from treeattn.plan.addressing import (
     contig_configs,
     gathered_configs,
 )
-from treeattn.plan.merge import merge_config, merge_launches, merge_row_tile
+from treeattn.plan.merge import launch_merges, merge_config, merge_launches, merge_row_tile
 from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
@@ -331,7 +332,6 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     Returns the number of launches made.
     """
     from treeattn.plan import make_plan
-    from treeattn.plan.build import launch_merges
     from treeattn.tree import DecodingTree
 
     hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype

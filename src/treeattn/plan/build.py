@@ -9,6 +9,7 @@ import torch
 from treeattn.plan.addressing import contig_launches, runs_between, split_tails, tma_launches, tma_loads
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
+from treeattn.plan.merge import merge_launch
 from treeattn.plan.plan import (
     HEADS_INNER_MIN_TOKENS,
     SHORT_ITEM_TOKENS,
@@ -26,23 +27,7 @@ from treeattn.plan.plan import (
 from treeattn.topology import ranges, slot_breaks
 from treeattn.tree import DecodingTree
 
-__all__ = ["build_plan", "launch_merges", "mask_rows"]
-
-
-#: The most partial rows a query may have for the plan's last launch to merge them
-#: (:attr:`Plan.merge_last`): a program folds its queries' other rows one after another, where a
-#: merge launch spreads them over a grid. Session 31 measured plans of 2-6 rows (H100).
-MERGE_LAST_MAX_ROWS = 4
-#: The tallest query tile of a launch that merges: the leaf launches of tall-first plans (16
-#: rows) gained; the one suite plan whose last launch had 64-row tiles lost 3.7% (session 31),
-#: and a tall tile's fold would hold another [rows, D] fp32 block in registers.
-MERGE_LAST_MAX_BLOCK_M = 32
-
-
-def launch_merges(block_m: int, tma: bool) -> bool:
-    """Whether a launch of this query tile and addressing may be a plan's merging last launch
-    (:attr:`Plan.merge_last`; what :func:`treeattn.ops.precompile` compiles so)."""
-    return block_m <= MERGE_LAST_MAX_BLOCK_M and not tma
+__all__ = ["build_plan", "mask_rows"]
 
 
 def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -> np.ndarray:
@@ -403,7 +388,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         tree_mask=t["tree_mask"], query_pos=t["query_pos"], query_prefix=t["query_prefix"],
         launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates, tall_first=tall_first,
-        merge_launch=_merge_launch(launches, tall_first, work_row_indptr, row_q, q_rows),
+        merge_launch=merge_launch(launches, tall_first, work_row_indptr, row_q, q_rows),
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node, untailed=_untailed(tail_node, tree.num_nodes), seg_len=seg_mask[0], seg_rec=seg_mask[1],
                       tail_seg=seg_mask[2],
@@ -416,18 +401,3 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
                       gather_launches=gather_launches, num_sms=cost.num_sms, tree=tree),
     )
-
-
-def _merge_launch(launches, tall_first: bool, work_row_indptr, row_q, q_rows) -> int:
-    """:attr:`Plan.merge_launch`: the launch that runs last, if it holds exactly one row of each
-    query with several, of at most :data:`MERGE_LAST_MAX_ROWS`, and may merge
-    (:func:`launch_merges`; and some launch runs before it); else -1."""
-    if len(launches) < 2 or not (q_rows != 1).any() or q_rows.max() > MERGE_LAST_MAX_ROWS:
-        return -1
-    i = 0 if tall_first else len(launches) - 1
-    ln = launches[i]
-    if not launch_merges(ln.block_m, ln.tma):
-        return -1
-    last_rows = row_q[work_row_indptr[ln.work_start]: work_row_indptr[ln.work_end]]
-    in_last = np.bincount(last_rows, minlength=q_rows.size)
-    return i if (in_last[q_rows != 1] == 1).all() else -1

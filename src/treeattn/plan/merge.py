@@ -1,11 +1,14 @@
 """The merge launch's config: which kernel, heads and warps a program, and rows a block
-(:func:`treeattn.ops.merge_partials` launches it; :class:`~treeattn.plan.cost.CostModel` rates it)."""
+(:func:`treeattn.ops.merge_partials` launches it; :class:`~treeattn.plan.cost.CostModel` rates it);
+and when a plan's last launch merges instead (:func:`merge_launch`)."""
 from __future__ import annotations
 
 import functools
 
-__all__ = ["MERGE_ROW_TILES", "MERGE_TILE_VALUES", "merge_config", "merge_launches", "merge_row_tile",
-           "merge_tiled"]
+import numpy as np
+
+__all__ = ["MERGE_LAST_MAX_BLOCK_M", "MERGE_LAST_MAX_ROWS", "MERGE_ROW_TILES", "MERGE_TILE_VALUES", "launch_merges",
+           "merge_config", "merge_launch", "merge_launches", "merge_row_tile", "merge_tiled"]
 
 #: Row tiles of the merge of few queries (powers of two); a tile holds at most MERGE_TILE_VALUES
 #: fp32 values a warp
@@ -67,3 +70,37 @@ def merge_tiled(num_queries: int, num_heads: int, head_dim: int) -> bool:
     """Whether the merge of ``num_queries`` queries takes the row tile (rows in one load) rather
     than the row loop."""
     return merge_config(num_queries, num_heads, head_dim)[2] > 0
+
+
+#: The most partial rows a query may have for the plan's last launch to merge them
+#: (:attr:`~treeattn.plan.plan.Plan.merge_last`): a program folds its queries' other rows one
+#: after another, where a merge launch spreads them over a grid. Session 31 measured plans of 2-6
+#: rows (H100).
+MERGE_LAST_MAX_ROWS = 4
+#: The tallest query tile of a launch that merges: the leaf launches of tall-first plans (16
+#: rows) gained; the one suite plan whose last launch had 64-row tiles lost 3.7% (session 31),
+#: and a tall tile's fold would hold another [rows, D] fp32 block in registers.
+MERGE_LAST_MAX_BLOCK_M = 32
+
+
+def launch_merges(block_m: int, tma: bool) -> bool:
+    """Whether a launch of this query tile and addressing may be a plan's merging last launch
+    (:attr:`~treeattn.plan.plan.Plan.merge_last`; what :func:`treeattn.ops.precompile` compiles so)."""
+    return block_m <= MERGE_LAST_MAX_BLOCK_M and not tma
+
+
+def merge_launch(launches, tall_first: bool, work_row_indptr, row_q, q_rows) -> int:
+    """:attr:`~treeattn.plan.plan.Plan.merge_launch`: the launch that runs last (``launches[0]``
+    with ``tall_first``), if it holds exactly one of the rows (``row_q``, by work unit
+    ``work_row_indptr``) of each query with several (``q_rows``), at most
+    :data:`MERGE_LAST_MAX_ROWS`, and may merge (:func:`launch_merges`), and some launch runs
+    before it; else -1."""
+    if len(launches) < 2 or not (q_rows != 1).any() or q_rows.max() > MERGE_LAST_MAX_ROWS:
+        return -1
+    i = 0 if tall_first else len(launches) - 1
+    ln = launches[i]
+    if not launch_merges(ln.block_m, ln.tma):
+        return -1
+    last_rows = row_q[work_row_indptr[ln.work_start]: work_row_indptr[ln.work_end]]
+    in_last = np.bincount(last_rows, minlength=q_rows.size)
+    return i if (in_last[q_rows != 1] == 1).all() else -1

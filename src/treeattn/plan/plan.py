@@ -248,7 +248,7 @@ class Plan:
         dispatched first.
     merge_launch : int
         The launch (index into ``launches``) that holds exactly one partial row of every query
-        that has several, and may merge them (:func:`~treeattn.plan.build.launch_merges`), or -1.
+        that has several, and may merge them (:func:`~treeattn.plan.merge.launch_merges`), or -1.
         When it runs last (:attr:`merge_last`) and the launches run in order on one stream, it
         merges each query's rows itself and no merge launch is needed
         (:func:`~treeattn.ops.partial_attention`'s ``merge_last``).
