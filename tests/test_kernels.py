@@ -273,6 +273,31 @@ def test_last_launch_merges_like_the_merge_launch(rng, device, strategy, spec, t
     assert rel_l2(out.float(), out2.float()) <= TOL[dtype] and rel_l2(lse, lse2) <= 1e-5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and PDL are CUDA launch modes")
+@pytest.mark.parametrize("spec", ["1,8,64_512,256,32", "2,8_300,20"])
+def test_last_launch_merge_on_one_stream_matches_side_streams(spec):
+    """On the GPU, the default launch mode (one stream, PDL on Hopper: the last launch merges) and
+    side streams with the merge launch give the same output within fp16 rounding, eagerly and
+    replayed from a CUDA graph."""
+    from treeattn.bench.timing import capture
+
+    tree = tree_from_spec(spec)
+    q, k, v = (torch.randn(n, h, 128, device="cuda", dtype=torch.float16)
+               for n, h in ((tree.num_queries, 32), (tree.num_tokens, 8), (tree.num_tokens, 8)))
+    one, side = TreeAttention(device="cuda"), TreeAttention(device="cuda", streams=3, pdl=False)
+    plan = one.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=128, strategy="node")
+    assert plan.merge_last
+    want = torch.empty_like(q)
+    graph = capture(side, side.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=128, strategy="node"),
+                    q, k[:, None], v[:, None], want)
+    graph.replay()
+    out = one.run(q, k[:, None], v[:, None], plan)
+    replayed = torch.full_like(q, float("nan"))
+    capture(one, plan, q, k[:, None], v[:, None], replayed).replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out) and rel_l2(out.float(), want.float()) <= 1e-3
+
+
 def test_merge_last_needs_a_plan_that_allows_it(device):
     """Asking the kernels to merge in the last launch of a plan without ``merge_last`` (one
     launch; or beside side streams) is an error, not a wrong output."""
