@@ -16,8 +16,9 @@ import triton
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from treeattn.kernels.attention import LOG2E, _tree_partial_attention_kernel
+from treeattn.kernels.attention import _tree_partial_attention_kernel
 from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
+from treeattn.kernels.state import LOG2E
 from treeattn.plan.addressing import (
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,

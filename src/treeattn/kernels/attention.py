@@ -10,8 +10,7 @@ Layouts (validated by the launchers in :mod:`treeattn.ops`):
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
+from treeattn.kernels.state import LN2, LOG2E, _fold_state
 
 
 @triton.jit
@@ -106,11 +105,17 @@ def _fold_row(m_i, l_i, acc, r, rows, O_part, LSE_part, head, offs_d, d_valid, s
     lse2 = tl.load(LSE_part + r * stride_pln + head, mask=use, other=float("-inf")) * LOG2E
     o = tl.load(O_part + r[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
                 mask=use[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
-    m_new = tl.maximum(m_i, lse2)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    w = tl.exp2(lse2 - m_safe)
-    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
+    return _fold_state(m_i, l_i, acc, lse2, o, TO_LOG2=1.0)
+
+
+@triton.jit
+def _store_out(Out, LSE_out, q_idx, head, offs_d, d_valid, o, lse, rows_out, stride_on, stride_oh, stride_ln,
+               WRITE_LSE: tl.constexpr):
+    """Store the tile rows ``rows_out`` as their queries' outputs (and LSEs with ``WRITE_LSE``)."""
+    tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
+             o.to(Out.dtype.element_ty), mask=rows_out[:, None] & d_valid[None, :])
+    if WRITE_LSE:
+        tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=rows_out)
 
 
 @triton.jit
@@ -123,11 +128,8 @@ def _store_rows(O_part, LSE_part, Out, LSE_out, row_direct, rows, q_idx, head, r
     if DIRECT:
         final = tl.load(row_direct + rows, mask=row_valid, other=0) != 0
         to_part = row_valid & ~final
-        to_out = row_valid & final
-        tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(Out.dtype.element_ty), mask=to_out[:, None] & d_valid[None, :])
-        if WRITE_LSE:
-            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=to_out)
+        _store_out(Out, LSE_out, q_idx, head, offs_d, d_valid, o, lse, row_valid & final, stride_on, stride_oh,
+                   stride_ln, WRITE_LSE=WRITE_LSE)
     # partials of 16-bit inputs are 16-bit: o is normalised, so it rounds like the output
     tl.store(O_part + rows[:, None] * stride_pn + head[:, None] * stride_ph + offs_d[None, :],
              o.to(O_part.dtype.element_ty), mask=to_part[:, None] & d_valid[None, :])
@@ -300,10 +302,8 @@ def _tree_partial_attention_kernel(
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     if MERGE_ROWS:  # every row is final
-        tl.store(Out + q_idx[:, None] * stride_on + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-        if WRITE_LSE:
-            tl.store(LSE_out + q_idx * stride_ln + head, lse, mask=row_valid)
+        _store_out(Out, LSE_out, q_idx, head, offs_d, d_valid, o, lse, row_valid, stride_on, stride_oh, stride_ln,
+                   WRITE_LSE=WRITE_LSE)
     else:
         _store_rows(O_part, LSE_part, Out, LSE_out, row_direct, rows, q_idx, head, row_valid, offs_d, d_valid, o,
                     lse, stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,

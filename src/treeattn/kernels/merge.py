@@ -8,7 +8,7 @@ Layouts (validated by :func:`treeattn.ops.merge_partials`):
 import triton
 import triton.language as tl
 
-from treeattn.kernels.attention import LN2, LOG2E
+from treeattn.kernels.state import LN2, LOG2E, _fold_state
 
 
 @triton.jit
@@ -57,13 +57,7 @@ def _merge_states_kernel(
         lse = tl.load(LSE_part + r * stride_pln + offs_h, mask=h_valid, other=float("-inf"))
         o = tl.load(O_part + r * stride_pn + offs_h[:, None] * stride_ph + offs_d[None, :],
                     mask=hd_mask, other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, lse)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale_old = tl.exp2((m - m_safe) * LOG2E)
-        w = tl.exp2((lse - m_safe) * LOG2E)
-        den = den * scale_old + w
-        acc = acc * scale_old[:, None] + w[:, None] * o
-        m = m_new
+        m, den, acc = _fold_state(m, den, acc, lse, o, TO_LOG2=LOG2E)
     _store_merged(Out, LSE_out, n, offs_h, offs_d, h_valid, hd_mask, m, den, acc, stride_on, stride_oh, stride_ln,
                   WRITE_LSE=WRITE_LSE)
 
