@@ -58,13 +58,27 @@ def _tall(Q, K, V, O, kd, vd, n_tok, qk_scale,
     tl.store(O + qrow[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty))
 
 
-def run(case, bm, bn, warps, stages, tma, check):
+def inputs(case) -> tuple:
+    """``(q, k, v, o)`` of a case: queries [items, hkv, rows, d], K and V [items * n_tok, hkv, d]."""
     items, n_tok, rows, hkv, d = case
     torch.manual_seed(0)
     q = torch.randn(items, hkv, rows, d, device="cuda", dtype=torch.float16)
     k = torch.randn(items * n_tok, hkv, d, device="cuda", dtype=torch.float16)
-    v = torch.randn_like(k)
-    o = torch.empty_like(q)
+    return q, k, torch.randn_like(k), torch.empty_like(q)
+
+
+def rel_err(case, q, k, v, o) -> float:
+    """Relative L2 error of ``o`` against attention in float32 (each item's queries over its KV)."""
+    items, n_tok, rows, hkv, d = case
+    kk = k.view(items, n_tok, hkv, d).permute(0, 2, 1, 3).float()
+    vv = v.view(items, n_tok, hkv, d).permute(0, 2, 1, 3).float()
+    ref = torch.softmax(q.float() @ kk.transpose(-1, -2) * d ** -0.5, -1) @ vv
+    return float((o.float() - ref).norm() / ref.norm())
+
+
+def run(case, bm, bn, warps, stages, tma, check):
+    items, n_tok, rows, hkv, d = case
+    q, k, v, o = inputs(case)
     kd = TensorDescriptor(k.view(items * n_tok, hkv * d), [items * n_tok, hkv * d], [hkv * d, 1], [bn, d])
     vd = TensorDescriptor(v.view(items * n_tok, hkv * d), [items * n_tok, hkv * d], [hkv * d, 1], [bn, d])
     scale = d ** -0.5 * 1.4426950408889634
@@ -76,10 +90,7 @@ def run(case, bm, bn, warps, stages, tma, check):
     fn()
     err = None
     if check:
-        kk = k.view(items, n_tok, hkv, d).permute(0, 2, 1, 3).float()
-        vv = v.view(items, n_tok, hkv, d).permute(0, 2, 1, 3).float()
-        ref = torch.softmax(q.float() @ kk.transpose(-1, -2) * d ** -0.5, -1) @ vv
-        err = float((o.float() - ref).norm() / ref.norm())
+        err = rel_err(case, q, k, v, o)
     us = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median") * 1e3
     flops = 4 * items * hkv * rows * n_tok * d
     bytes_ = 2 * items * n_tok * hkv * d * 2

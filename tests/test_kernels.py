@@ -134,31 +134,6 @@ def test_torch_backend_random_forests(strategy, tree, page_size, seed):
     assert rel_l2(w.run(q, kc, vc, plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-10
 
 
-def test_precompile_launches_every_variant():
-    """Serving warms Triton up front: every launch shape a plan can use, with and without the
-    tree mask, and every merge head-block, run once on dummy data."""
-    from treeattn.ops import precompile
-    from treeattn.plan.addressing import contig_configs, gathered_configs
-    from treeattn.plan.plan import HeadConfig, launch_shapes
-
-    heads = HeadConfig(8, 2, 16, torch.float32)
-    shapes = launch_shapes(heads)
-    assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
-    # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
-    # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV
-    # tiles also with 2 warps; x2 for the direct-output variant (x3 for tiles of <= 32 rows, which
-    # may also merge as a plan's last launch), x2 for the grid order, x2 for the mask split (masked
-    # plan only), and tall ones unmasked also with the split tail; merge head blocks 1, 2, 4 (few
-    # queries) with each of their 5 row tiles and 8 (the row loop), with and without LSE
-    def count(rows):
-        return sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes if s[0] in rows)
-
-    configs, tall, short = count((16, 32, 64, 128)), count((64, 128)), count((16, 32))
-    assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
-    assert precompile(heads, page_size=16, device=DEVICE) == \
-        (2 * 2 + 2 * 2 * 2) * configs + (2 + 2 * 2) * short + 2 * 2 * tall + 2 * (3 * 5 + 1)
-
-
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
                                                ("flatten", "1,3_40,9", 1)])
 def test_heads_inner_grid_order_matches_reference(rng, device, strategy, spec, hkv):

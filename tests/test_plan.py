@@ -319,7 +319,7 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     update after a decode step whose new slots follow no node's last slot (the grown units gather),
     and every merge config of them, is a variant that ``precompile`` compiles: a serving loop that
     precompiled never waits for Triton's JIT."""
-    from treeattn.ops import launch_configs
+    from treeattn.precompile import launch_configs
     from treeattn.plan.merge import merge_config, merge_launches
     from treeattn.plan.update import update_plan
 

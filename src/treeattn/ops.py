@@ -5,8 +5,6 @@ sequence of launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -19,18 +17,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from treeattn.kernels.attention import _tree_partial_attention_kernel
 from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
 from treeattn.kernels.state import LOG2E
-from treeattn.plan.addressing import (
-    SPLIT_TAIL_ROWS,
-    TALL_CONTIG_ROWS,
-    TILE_TALL_TMA,
-    contig_configs,
-    gathered_configs,
-)
-from treeattn.plan.merge import launch_merges, merge_config, merge_launches, merge_row_tile
-from treeattn.plan.plan import HeadConfig, Launch, Plan, launch_shapes
+from treeattn.plan.merge import merge_config, merge_row_tile
+from treeattn.plan.plan import Plan
 
 __all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "launch_cache", "launch_configs", "precompile", "check_triton_device"]
+           "launch_cache", "check_triton_device"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -304,73 +295,6 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         _launch(_merge_tile_kernel, grid, args, {**kwargs, "BLOCK_R": row_tile}, cache, key)
     else:
         _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
-
-
-def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
-    """Every ``(block_m, block_n, num_warps, num_stages, contig, tma)`` an attention launch of a
-    plan for ``heads`` can have (``tma``: plans may take
-    :func:`~treeattn.plan.addressing.tma_launches`): each planned shape gathering its slots or
-    computing them, as :mod:`treeattn.plan.addressing` configures each (contig launches may run
-    one pipeline stage less, tall ones another tile, through tensor descriptors with ``tma``;
-    gathered 32-row ones two warps, gathered tall ones their own tile)."""
-    return [cfg for shape in launch_shapes(heads)
-            for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape, elem_bytes=heads.elem_bytes)]
-            + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
-            + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
-
-
-def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
-               tma: bool = False) -> int:
-    """Launch every partial-attention variant a plan for ``heads`` can use (each of
-    :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
-    order x mask split x split tail)
-    and every merge variant once, on dummy data, so that Triton compiles them now rather than in
-    the middle of serving (a first-seen shape stalls decoding for seconds).
-    ``pdl``: the variants :func:`partial_attention` and :func:`merge_partials` launch with ``pdl``.
-    ``tma``: the plans may take :func:`~treeattn.plan.addressing.tma_launches`
-    (:func:`~treeattn.plan.addressing.tma_loads`).
-
-    Returns the number of launches made.
-    """
-    from treeattn.plan import make_plan
-    from treeattn.tree import DecodingTree
-
-    hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype
-    kc = torch.randn(1, page_size, hkv, d, device=device).to(dt)
-    q = torch.randn(2, hq, d, device=device).to(dt)
-    launches = 0
-    for prefix in (2, 1):  # both queries see the node whole; then one sees a part: the tree mask
-        tree = DecodingTree.from_parents([-1], [2], query_nodes=[0, 0], query_prefix=[2, prefix],
-                                         page_size=page_size, num_slots=page_size)
-        plan = make_plan(tree, heads, strategy="node", device=device)
-        o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
-        lse_part = torch.empty(plan.num_rows, hq, device=device)
-        out = torch.empty_like(q)
-        # rows: to the merge, direct where final, or merging (a plan's last launch)
-        for (m, n, warps, stages, contig, tma_), rows, inner, split, tail in itertools.product(
-                launch_configs(heads, tma=tma), ("part", "direct", "merge"), (False, True), (False, True),
-                (False, True)):
-            if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
-                    or (tma_ and not tail) or (rows == "merge" and not launch_merges(m, tma_)):
-                continue
-            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
-                                                                heads_inner=inner, mask_split=split,
-                                                                contig=contig, split_tail=tail, tma=tma_),),
-                                         num_direct=plan.num_direct if rows == "direct" else 0,
-                                         merge_launch=0 if rows == "merge" else -1)
-            partial_attention(q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl,
-                              merge_last=rows == "merge")
-            launches += 1
-    for n, rows in merge_launches(hq, d):
-        o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)
-        lse_part = torch.zeros(n, hq, device=device)
-        idx = torch.arange(n + 1, dtype=torch.int32, device=device)
-        out = torch.empty(n, hq, d, device=device, dtype=dt)
-        for lse in (None, torch.empty(n, hq, device=device)):
-            merge_partials(o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, max_rows=rows, pdl=pdl)
-            launches += 1
-    return launches
-
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:

@@ -183,7 +183,9 @@ def bench_workload(model, name: str, strategy: str, *, steps: int | None = None,
                 "host_enqueue": host_ms,
                 "pure": not cycles or host_ms < sleep_ms})
 
-    engine.precompile_kernels()  # no timed step waits for Triton's JIT
+    t_compile = time.perf_counter()
+    compiled = engine.precompile_kernels()  # no timed step waits for Triton's JIT
+    precompile_s = time.perf_counter() - t_compile
     engine.prepare_graphs(ctl.query_counts())
     engine.hook = hook
     t_start = time.perf_counter()
@@ -230,7 +232,8 @@ def bench_workload(model, name: str, strategy: str, *, steps: int | None = None,
         "strategies_used": used, "cuda_graphs": graphs,
         "tuning": engine.planner.tuner.summary() if engine.planner.tuner is not None else None,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
-        "leaked_pages": int(leaked), "wall_s": wall_s, "reserved_gib_at_start": reserved / 2**30,
+        "leaked_pages": int(leaked), "wall_s": wall_s, "precompile_s": precompile_s,
+        "precompile_launches": compiled, "reserved_gib_at_start": reserved / 2**30,
     }
     del engine
     return out

@@ -12,6 +12,7 @@ waits only before running further ahead than ``max_inflight`` steps.
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import numpy as np
@@ -25,7 +26,7 @@ from treeattn.engine.speculative import SpeculativeSteps
 from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.engine.tuning import EventTimer, HostTimer, StrategyTuner
-from treeattn.ops import precompile
+from treeattn.precompile import precompile
 from treeattn.plan.addressing import tma_loads
 
 __all__ = ["TreeEngine"]
@@ -336,14 +337,18 @@ class TreeEngine(SpeculativeSteps):
         d = self.device
         return self.model.decode(tokens, upload(pos, d), upload(slots, d), self.kv.caches, attend)
 
-    def precompile_kernels(self) -> int:
+    def precompile_kernels(self, workers: int | None = None) -> int:
         """Compile every attention-kernel variant this model's plans can use now (a server calls
         it at start-up, so no request waits for Triton's JIT); returns the launches made, 0 with
-        the torch backend."""
+        the torch backend. ``workers``: compile in that many processes first
+        (:func:`~treeattn.precompile.precompile`); None: one a CPU core, up to 16."""
         if self.attention.backend != "triton":
             return 0
+        if workers is None:
+            workers = min(16, os.cpu_count() or 1)
         return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device,
-                          pdl=self.attention.pdl, tma=tma_loads(self.planner.heads, self.attention.cost))
+                          pdl=self.attention.pdl, tma=tma_loads(self.planner.heads, self.attention.cost),
+                          workers=workers)
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each

@@ -113,7 +113,7 @@ def tall_tile(block_m, block_n, programs, num_sms: int):
 
 def contig_configs(block_m: int, block_n: int, num_warps: int, num_stages: int) -> list:
     """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a contig
-    launch planned with this shape (what :func:`treeattn.ops.precompile` compiles)."""
+    launch planned with this shape (what :func:`treeattn.precompile.precompile` compiles)."""
     out = [(block_n, num_warps, num_stages)] + [(block_n, num_warps, num_stages - 1)] * (num_stages >= 3)
     if block_m >= TALL_CONTIG_ROWS and block_n >= 64:
         out.append(TILE_TALL_CONTIG)
@@ -175,7 +175,7 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, n
 
 def gathered_configs(block_m: int, block_n: int, num_warps: int, num_stages: int, *, elem_bytes: int) -> list:
     """The ``(block_n, num_warps, num_stages)`` that :func:`contig_launches` may give a launch
-    planned with this shape that keeps gathering (what :func:`treeattn.ops.precompile` compiles)."""
+    planned with this shape that keeps gathering (what :func:`treeattn.precompile.precompile` compiles)."""
     if _gathered_tall(block_m, block_n, elem_bytes):
         return [TILE_TALL_GATHERED]
     return [(block_n, num_warps, num_stages)] + [(block_n, GATHERED_NARROW_WARPS, num_stages)] * _gathered_narrow(

@@ -51,7 +51,7 @@ def _head_cap(num_heads: int, head_dim: int) -> int:
 def merge_launches(num_heads: int, head_dim: int) -> list:
     """``(queries, max_rows)`` of merges that between them take every config :func:`merge_config`
     gives: the query counts that reach each head block, each with every row tile it can take
-    (what :func:`treeattn.ops.precompile` launches)."""
+    (what :func:`treeattn.precompile.precompile` launches)."""
     out = []
     for k in range(_head_cap(num_heads, head_dim).bit_length()):
         n = -(-(1 << k) * 1024 // num_heads)  # the query count that gives head block 1 << k
@@ -85,7 +85,7 @@ MERGE_LAST_MAX_BLOCK_M = 32
 
 def launch_merges(block_m: int, tma: bool) -> bool:
     """Whether a launch of this query tile and addressing may be a plan's merging last launch
-    (:attr:`~treeattn.plan.plan.Plan.merge_last`; what :func:`treeattn.ops.precompile` compiles so)."""
+    (:attr:`~treeattn.plan.plan.Plan.merge_last`; what :func:`treeattn.precompile.precompile` compiles so)."""
     return block_m <= MERGE_LAST_MAX_BLOCK_M and not tma
 
 

@@ -1,0 +1,174 @@
+"""Compile every kernel variant a plan can launch before it is needed: Triton compiles a
+variant the first time it is launched, which stalls a decoding loop for seconds. A serving
+process calls :func:`precompile` at start-up (:meth:`treeattn.engine.TreeEngine.precompile_kernels`),
+in worker processes where it is given several.
+
+``python -m treeattn.precompile`` is the worker: it launches its share of the variants, so that
+Triton writes them to its on-disk cache, which the process that started it then reads.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from treeattn.ops import merge_partials, partial_attention
+from treeattn.plan.addressing import (
+    SPLIT_TAIL_ROWS,
+    TALL_CONTIG_ROWS,
+    TILE_TALL_TMA,
+    contig_configs,
+    gathered_configs,
+)
+from treeattn.plan.merge import launch_merges, merge_launches
+from treeattn.plan.plan import HeadConfig, Launch, launch_shapes
+
+__all__ = ["launch_configs", "precompile"]
+
+log = logging.getLogger(__name__)
+
+
+def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
+    """Every ``(block_m, block_n, num_warps, num_stages, contig, tma)`` an attention launch of a
+    plan for ``heads`` can have (``tma``: plans may take
+    :func:`~treeattn.plan.addressing.tma_launches`): each planned shape gathering its slots or
+    computing them, as :mod:`treeattn.plan.addressing` configures each (contig launches may run
+    one pipeline stage less, tall ones another tile, through tensor descriptors with ``tma``;
+    gathered 32-row ones two warps, gathered tall ones their own tile)."""
+    return [cfg for shape in launch_shapes(heads)
+            for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape, elem_bytes=heads.elem_bytes)]
+            + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
+            + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
+
+
+def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
+               tma: bool = False, workers: int = 0) -> int:
+    """Launch every partial-attention variant a plan for ``heads`` can use (each of
+    :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
+    order x mask split x split tail)
+    and every merge variant once, on dummy data, so that Triton compiles them now rather than in
+    the middle of serving (a first-seen shape stalls decoding for seconds).
+    ``pdl``: the variants :func:`~treeattn.ops.partial_attention` and
+    :func:`~treeattn.ops.merge_partials` launch with ``pdl``.
+    ``tma``: the plans may take :func:`~treeattn.plan.addressing.tma_launches`
+    (:func:`~treeattn.plan.addressing.tma_loads`).
+    ``workers``: on a CUDA device, first compile in this many worker processes (each launches
+    every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
+    this process then loads them from there). Each holds a CUDA context while it runs.
+    0 or 1: compile in this process.
+
+    Returns the number of launches made in this process.
+    """
+    device = torch.device(device)
+    if workers > 1 and device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        _compile_in_workers(heads, page_size, device, pdl, tma, workers)
+    return _launch_share(heads, page_size, device, pdl, tma, 0, 1)
+
+
+def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool):
+    """Yield one callable per variant, which launches it (on dummy data, shared between them)."""
+    from treeattn.plan import make_plan
+    from treeattn.tree import DecodingTree
+
+    hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype
+    kc = torch.randn(1, page_size, hkv, d, device=device).to(dt)
+    q = torch.randn(2, hq, d, device=device).to(dt)
+    for prefix in (2, 1):  # both queries see the node whole; then one sees a part: the tree mask
+        tree = DecodingTree.from_parents([-1], [2], query_nodes=[0, 0], query_prefix=[2, prefix],
+                                         page_size=page_size, num_slots=page_size)
+        plan = make_plan(tree, heads, strategy="node", device=device)
+        o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
+        lse_part = torch.empty(plan.num_rows, hq, device=device)
+        out = torch.empty_like(q)
+        # rows: to the merge, direct where final, or merging (a plan's last launch)
+        for (m, n, warps, stages, contig, tma_), rows, inner, split, tail in itertools.product(
+                launch_configs(heads, tma=tma), ("part", "direct", "merge"), (False, True), (False, True),
+                (False, True)):
+            if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
+                    or (tma_ and not tail) or (rows == "merge" and not launch_merges(m, tma_)):
+                continue
+            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
+                                                                heads_inner=inner, mask_split=split,
+                                                                contig=contig, split_tail=tail, tma=tma_),),
+                                         num_direct=plan.num_direct if rows == "direct" else 0,
+                                         merge_launch=0 if rows == "merge" else -1)
+            yield lambda shaped=shaped, rows=rows, o_part=o_part, lse_part=lse_part, out=out: partial_attention(
+                q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl, merge_last=rows == "merge")
+    for n, rows in merge_launches(hq, d):
+        o_part = torch.zeros(n, hq, d, device=device, dtype=heads.partial_dtype)
+        lse_part = torch.zeros(n, hq, device=device)
+        idx = torch.arange(n + 1, dtype=torch.int32, device=device)
+        out = torch.empty(n, hq, d, device=device, dtype=dt)
+        for lse in (None, torch.empty(n, hq, device=device)):
+            yield lambda o_part=o_part, lse_part=lse_part, idx=idx, out=out, lse=lse, rows=rows: merge_partials(
+                o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, max_rows=rows, pdl=pdl)
+
+
+def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, index: int,
+                  count: int) -> int:
+    """Launch variants ``index``, ``index + count``, ... of :func:`_variants`; returns how many."""
+    launches = 0
+    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma), index, None, count):
+        launch()
+        launches += 1
+    return launches
+
+
+@functools.cache
+def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
+                        workers: int) -> None:
+    """Run ``workers`` processes of ``python -m treeattn.precompile``, each its share of the
+    variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
+    process for each set of arguments (cached): a later call finds the variants in this process's
+    JIT cache, where starting the workers again made it take 9-12 s instead of 2.4 s or less
+    (an H100, 16 workers; benchmarks/results/h100_precompile_workers.json)."""
+    t0 = time.perf_counter()
+    common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
+              f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
+              f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma
+    # (a new interpreter, not a fork: CUDA cannot be used in a forked child; and not
+    # multiprocessing's spawn, which would re-run a caller's script without a main guard)
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen([sys.executable, "-m", "treeattn.precompile", *common, f"--index={i}"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i in range(workers)]
+    errors = [(i, p.communicate()[1]) for i, p in enumerate(procs)]
+    failed = [(i, err) for (i, err), p in zip(errors, procs) if p.returncode]
+    if failed:
+        i, err = failed[0]
+        raise RuntimeError(f"precompile worker {i} of {workers} failed:\n{err[-2000:]}")
+    log.info("compiled the kernel variants in %d worker processes in %.1f s", workers, time.perf_counter() - t0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="precompile's worker: launch every COUNT-th kernel variant")
+    ap.add_argument("--heads", required=True, help="query heads, KV heads, head dim")
+    ap.add_argument("--dtype", required=True, choices=("float16", "bfloat16", "float32"))
+    ap.add_argument("--page-size", type=int, required=True)
+    ap.add_argument("--device", required=True)
+    ap.add_argument("--pdl", action="store_true")
+    ap.add_argument("--tma", action="store_true")
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--count", type=int, required=True)
+    args = ap.parse_args(argv)
+    hq, hkv, d = map(int, args.heads.split(","))
+    device = torch.device(args.device)
+    torch.cuda.set_device(device)  # (Triton compiles for the current device)
+    _launch_share(HeadConfig(hq, hkv, d, getattr(torch, args.dtype)), args.page_size, device, args.pdl, args.tma,
+                  args.index, args.count)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

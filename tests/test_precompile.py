@@ -1,0 +1,81 @@
+"""precompile: every kernel variant a plan can launch, compiled up front (in this process under
+Triton's interpreter; worker processes on CUDA devices)."""
+import pytest
+import torch
+
+from treeattn import precompile as pc
+from treeattn.plan.addressing import contig_configs, gathered_configs
+from treeattn.plan.plan import HeadConfig, launch_shapes
+from treeattn.precompile import precompile
+
+
+def test_precompile_launches_every_variant(device):
+    """Serving warms Triton up front: every launch shape a plan can use, with and without the
+    tree mask, and every merge head-block, run once on dummy data."""
+    heads = HeadConfig(8, 2, 16, torch.float32)
+    shapes = launch_shapes(heads)
+    assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
+    # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
+    # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV
+    # tiles also with 2 warps; x2 for the direct-output variant (x3 for tiles of <= 32 rows, which
+    # may also merge as a plan's last launch), x2 for the grid order, x2 for the mask split (masked
+    # plan only), and tall ones unmasked also with the split tail; merge head blocks 1, 2, 4 (few
+    # queries) with each of their 5 row tiles and 8 (the row loop), with and without LSE
+    def count(rows):
+        return sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes if s[0] in rows)
+
+    configs, tall, short = count((16, 32, 64, 128)), count((64, 128)), count((16, 32))
+    assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
+    assert precompile(heads, page_size=16, device=device) == \
+        (2 * 2 + 2 * 2 * 2) * configs + (2 + 2 * 2) * short + 2 * 2 * tall + 2 * (3 * 5 + 1)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The variants launched, as keys, in place of the kernels."""
+    calls = []
+    monkeypatch.setattr(pc, "partial_attention", lambda q, k, v, plan, *a, merge_last=False, **kw: calls.append(
+        ("attention", plan.launches, plan.num_direct, plan.has_mask, merge_last)))
+    monkeypatch.setattr(pc, "merge_partials", lambda o, lse, qi, indptr, idx, out, lse_out, *, max_rows, pdl: calls.append(
+        ("merge", o.shape[0], max_rows, lse_out is None)))
+    return calls
+
+
+@pytest.mark.parametrize("count", [2, 3, 7])
+def test_worker_shares_partition_the_variants(recorded, count):
+    """The workers' shares (every ``count``-th variant) launch each variant exactly once between them."""
+    heads = HeadConfig(32, 8, 128, torch.bfloat16)
+    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1)
+    full = list(recorded)
+    assert everything == len(full) == len(set(full))
+    recorded.clear()
+    shares = [pc._launch_share(heads, 16, torch.device("cpu"), True, True, i, count) for i in range(count)]
+    assert sum(shares) == everything and max(shares) - min(shares) <= 1
+    assert sorted(map(repr, recorded)) == sorted(map(repr, full))
+
+
+def test_workers_compile_only_on_cuda(recorded, monkeypatch):
+    """On the CPU (Triton's interpreter) ``workers`` starts no process."""
+    monkeypatch.setattr(pc, "_compile_in_workers", lambda *a: pytest.fail("started workers on the CPU"))
+    heads = HeadConfig(8, 2, 16, torch.float32)
+    assert precompile(heads, page_size=16, device="cpu", workers=4) == len(recorded) > 0
+
+
+def test_failed_worker_raises_naming_it():
+    """A worker that cannot compile (here: no CUDA device) fails the call with its error, not a hang."""
+    if torch.cuda.is_available():
+        pytest.skip("the workers would compile")
+    with pytest.raises(RuntimeError, match=r"precompile worker \d of 2 failed"):
+        pc._compile_in_workers(HeadConfig(8, 2, 16, torch.float16), 16, torch.device("cuda", 0), False, False, 2)
+
+
+def test_workers_get_the_current_cuda_device(monkeypatch):
+    """``device="cuda"`` reaches the workers as the current device's index (each worker compiles
+    for the device it is told)."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(pc, "_compile_in_workers", lambda heads, page, device, *a: seen.append(device))
+    monkeypatch.setattr(pc, "_launch_share", lambda *a: 0)
+    precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2)
+    precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2)
+    assert seen == [torch.device("cuda", 3), torch.device("cuda", 1)]
