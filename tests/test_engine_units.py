@@ -214,6 +214,22 @@ def test_precompile_kernels_is_a_no_op_on_the_torch_backend():
     assert eng.precompile_kernels() == 0
 
 
+def test_precompile_kernels_passes_the_engines_compile_workers(monkeypatch):
+    """``compile_workers`` (``--compile-workers``) reaches ``precompile``; its default is one a
+    CPU core, up to 16."""
+    import os
+
+    import treeattn.engine.engine as engine_module
+    from treeattn.engine import TreeEngine, TreeModel
+
+    seen = []
+    monkeypatch.setattr(engine_module, "precompile", lambda heads, **kw: seen.append(kw["workers"]) or 1)
+    model = TreeModel.random("tiny")
+    assert TreeEngine(model, kv_tokens=256, backend="triton", compile_workers=3).precompile_kernels() == 1
+    TreeEngine(model, kv_tokens=256, backend="triton").precompile_kernels()
+    assert seen == [3, min(16, os.cpu_count() or 1)]
+
+
 def test_verify_trees_share_structure_and_plan_as_fresh_trees():
     """Speculative verification steps build trees with the previous step's structure; their plans
     are those of trees built from scratch."""

@@ -44,6 +44,9 @@ def add_model_args(p, default_random=None) -> None:
     p.add_argument("--no-pdl", action="store_true",
                    help="plain attention launches instead of programmatic dependent ones (on by default on "
                         "Hopper and later GPUs)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="processes that compile the attention kernels before the first step on a GPU "
+                        "(default: one a CPU core, up to 16; 0: this process)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
 
@@ -139,7 +142,7 @@ def load_model(args) -> TreeModel:
 def _engine_kw(args) -> dict:
     return {"page_size": args.page_size, "kv_tokens": args.kv_tokens, "window": args.window,
             "cuda_graphs": False if args.no_cuda_graphs else None, "tune": args.tune,
-            "pdl": False if args.no_pdl else None}
+            "pdl": False if args.no_pdl else None, "compile_workers": args.compile_workers}
 
 
 def _init_ranks(args) -> tuple[int, int]:

@@ -74,12 +74,17 @@ class TreeEngine(SpeculativeSteps):
         run at their isolated GPU time. Unbounded, the host (2-3 ms a ToT step) ran many steps
         ahead of the GPU (5.6 ms), and the GPU took 5-12% longer a step than in isolation
         (H200, ``benchmarks/probe_inflight.py``, benchmarks/NOTES.md session 24).
+    compile_workers : int or None
+        Processes that :meth:`precompile_kernels` compiles in on a GPU (each holds a CUDA context
+        while it runs; 0: this process); None: one a CPU core, up to 16. 408 variants of
+        Llama-3-8B took 54-65 s with 14 on an H100 host, over 393 s in one process (session 32).
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool = False, pdl: bool | None = None, max_inflight: int | None = 2):
+                 tune: bool = False, pdl: bool | None = None, max_inflight: int | None = 2,
+                 compile_workers: int | None = None):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -112,6 +117,7 @@ class TreeEngine(SpeculativeSteps):
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1 or None, got {max_inflight}")
         self.max_inflight = max_inflight
+        self.compile_workers = min(16, os.cpu_count() or 1) if compile_workers is None else compile_workers
         self._inflight: collections.deque = collections.deque()   # end events of queued forwards
         self.compute = True
         #: profiling hook ``hook(event, layer)``, event in forward_begin / attn_begin / attn_end /
@@ -337,18 +343,16 @@ class TreeEngine(SpeculativeSteps):
         d = self.device
         return self.model.decode(tokens, upload(pos, d), upload(slots, d), self.kv.caches, attend)
 
-    def precompile_kernels(self, workers: int | None = None) -> int:
-        """Compile every attention-kernel variant this model's plans can use now (a server calls
-        it at start-up, so no request waits for Triton's JIT); returns the launches made, 0 with
-        the torch backend. ``workers``: compile in that many processes first
-        (:func:`~treeattn.precompile.precompile`); None: one a CPU core, up to 16."""
+    def precompile_kernels(self) -> int:
+        """Compile every attention-kernel variant this model's plans can use now, in
+        ``compile_workers`` processes on a GPU (:func:`~treeattn.precompile.precompile`; a server
+        calls it at start-up, so no request waits for Triton's JIT); returns the launches made in
+        this process, 0 with the torch backend."""
         if self.attention.backend != "triton":
             return 0
-        if workers is None:
-            workers = min(16, os.cpu_count() or 1)
         return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device,
                           pdl=self.attention.pdl, tma=tma_loads(self.planner.heads, self.attention.cost),
-                          workers=workers)
+                          workers=self.compile_workers)
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each
