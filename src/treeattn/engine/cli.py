@@ -45,8 +45,8 @@ def add_model_args(p, default_random=None) -> None:
                    help="plain attention launches instead of programmatic dependent ones (on by default on "
                         "Hopper and later GPUs)")
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
-                   help="processes that compile the attention kernels before the first step on a GPU "
-                        "(default: one a CPU core, up to 16; 0: this process)")
+                   help="bench e2e, serve: processes that compile every attention-kernel variant up front "
+                        "on a GPU (default: one a CPU core, up to 16; 0: this process)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
 
