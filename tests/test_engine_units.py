@@ -219,11 +219,11 @@ def test_precompile_kernels_passes_the_engines_compile_workers(monkeypatch):
     CPU core, up to 16."""
     import os
 
-    import treeattn.engine.engine as engine_module
+    import treeattn.api
     from treeattn.engine import TreeEngine, TreeModel
 
     seen = []
-    monkeypatch.setattr(engine_module, "precompile", lambda heads, **kw: seen.append(kw["workers"]) or 1)
+    monkeypatch.setattr(treeattn.api, "precompile", lambda heads, **kw: seen.append(kw["workers"]) or 1)
     model = TreeModel.random("tiny")
     assert TreeEngine(model, kv_tokens=256, backend="triton", compile_workers=3).precompile_kernels() == 1
     TreeEngine(model, kv_tokens=256, backend="triton").precompile_kernels()

@@ -79,3 +79,18 @@ def test_workers_get_the_current_cuda_device(monkeypatch):
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2)
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2)
     assert seen == [torch.device("cuda", 3), torch.device("cuda", 1)]
+
+
+def test_tree_attention_precompiles_its_own_launch_mode(monkeypatch):
+    """``TreeAttention.precompile`` compiles the variants its plans take: its PDL and TMA choice,
+    and nothing with the torch backend."""
+    import treeattn.api
+    from treeattn import TreeAttention
+
+    seen = []
+    monkeypatch.setattr(treeattn.api, "precompile", lambda heads, **kw: seen.append((heads, kw)) or 7)
+    kw = dict(num_qo_heads=8, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, page_size=16)
+    assert TreeAttention(backend="torch").precompile(**kw) == 0
+    assert TreeAttention(backend="triton").precompile(**kw, workers=3) == 7
+    assert seen == [(HeadConfig(8, 2, 16, torch.bfloat16),
+                     dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False, workers=3))]

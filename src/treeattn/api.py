@@ -8,7 +8,9 @@ import torch
 from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, launch_cache,
                           merge_partials, partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
+from treeattn.plan.addressing import tma_loads
 from treeattn.plan.update import update_plan
+from treeattn.precompile import precompile
 from treeattn.reference import merge_states_torch, run_plan_torch
 from treeattn.tree import DecodingTree
 
@@ -143,6 +145,19 @@ class TreeAttention:
         h = plan.heads
         return self.plan(tree, num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
                          head_dim=h.head_dim, dtype=h.dtype, strategy=plan.requested_strategy)
+
+    def precompile(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype = torch.float16, page_size: int, workers: int = 0) -> int:
+        """Compile every kernel variant this wrapper's plans for these heads can launch, now
+        (Triton compiles a variant on its first launch, seconds each): with this wrapper's
+        ``pdl`` and TMA loads, in ``workers`` processes on a GPU
+        (:func:`treeattn.precompile.precompile`). Returns the launches made here; 0 with the
+        torch backend."""
+        if self.backend != "triton":
+            return 0
+        heads = HeadConfig(num_qo_heads, num_kv_heads, head_dim, dtype)
+        return precompile(heads, page_size=page_size, device=self.device, pdl=self.pdl,
+                          tma=tma_loads(heads, self.cost), workers=workers)
 
     def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the workspace that ``run`` gives ``plan``'s partial results:

@@ -1,7 +1,8 @@
 """Compile every kernel variant a plan can launch before it is needed: Triton compiles a
 variant the first time it is launched, which stalls a decoding loop for seconds. A serving
-process calls :func:`precompile` at start-up (:meth:`treeattn.engine.TreeEngine.precompile_kernels`),
-in worker processes where it is given several.
+process calls :func:`precompile` at start-up, in worker processes where it is given several:
+:meth:`treeattn.TreeAttention.precompile` with the wrapper's launch mode,
+:meth:`treeattn.engine.TreeEngine.precompile_kernels` with the engine's.
 
 ``python -m treeattn.precompile`` is the worker: it launches its share of the variants, so that
 Triton writes them to its on-disk cache, which the process that started it then reads.

@@ -26,8 +26,6 @@ from treeattn.engine.speculative import SpeculativeSteps
 from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
 from treeattn.engine.tuning import EventTimer, HostTimer, StrategyTuner
-from treeattn.precompile import precompile
-from treeattn.plan.addressing import tma_loads
 
 __all__ = ["TreeEngine"]
 
@@ -348,11 +346,10 @@ class TreeEngine(SpeculativeSteps):
         ``compile_workers`` processes on a GPU (:func:`~treeattn.precompile.precompile`; a server
         calls it at start-up, so no request waits for Triton's JIT); returns the launches made in
         this process, 0 with the torch backend."""
-        if self.attention.backend != "triton":
-            return 0
-        return precompile(self.planner.heads, page_size=self.pool.page_size, device=self.device,
-                          pdl=self.attention.pdl, tma=tma_loads(self.planner.heads, self.attention.cost),
-                          workers=self.compile_workers)
+        h = self.planner.heads
+        return self.attention.precompile(num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
+                                         head_dim=h.head_dim, dtype=h.dtype, page_size=self.pool.page_size,
+                                         workers=self.compile_workers)
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each
