@@ -95,7 +95,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
                 "--windows", "1", "--breakdown-steps", "1", "--warmup-steps", "2",
                 "--workloads", "tot-keyword,speculative-32", "--json", str(out), "--png", str(png)]) == 0
     got = json.loads(out.read_text())
-    assert set(got["workloads"]) == {"tot-keyword", "speculative-32"}
+    assert set(got["workloads"]) == {"tot-keyword", "speculative-32"} and "partial" not in got
     for w in got["workloads"].values():
         assert w["deft_speedup"] and w["speedup"] > 0
         for r in w["strategies"].values():
@@ -106,6 +106,23 @@ def test_bench_e2e_cpu_smoke(tmp_path):
             assert r["busy_step_ms"] <= r["mean_step_ms"] + 1e-9
             assert r["tuning"] is None      # measured auto: on CUDA only
     assert png.stat().st_size > 10_000
+
+
+def test_bench_e2e_keeps_finished_runs_when_cut_off(tmp_path, monkeypatch):
+    """Each finished run is written to --json at once (marked partial), so a benchmark stopped
+    by a time limit or an error keeps what it measured; the full result replaces it."""
+    import treeattn.engine.cli as engine_cli
+
+    def cut_off(model, workloads, strategies, *, progress, **kw):
+        progress("tot-set", "auto", {"mean_step_ms": 7.0, "gpu_step_ms": 6.9, "idle_ms": 0.1, "host_overhead": 0.01,
+                                     "wall_s": 1.0, "breakdown_ms": {"attention": 0.6}})
+        raise ValueError("stopped")
+
+    monkeypatch.setattr(engine_cli, "bench_e2e", cut_off)
+    out = tmp_path / "e2e.json"
+    assert cli(["bench", "e2e", "--random-weights", "tiny", "--device", "cpu", "--json", str(out)]) != 0
+    got = json.loads(out.read_text())
+    assert got["partial"] and got["runs"]["tot-set"]["auto"]["mean_step_ms"] == 7.0
 
 
 @pytest.mark.parametrize("total,windows,breakdown,warmup", [(400, 10, 2, 1), (5193, 20, 2, 1), (7, 5, 1, 2), (3, 4, 1, 1)])

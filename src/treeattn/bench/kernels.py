@@ -144,14 +144,17 @@ def run(args) -> int:
     pdl = {"auto": None, "on": True, "off": False}[args.pdl]
     mode = TreeAttention(device="cuda", streams=args.streams, pdl=pdl)  # (the launch mode, resolved)
     cases = [(spec, hq, hkv) for spec in suite_trees(args.suite) for hq, hkv in heads]
+    head = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16", "head_dim": HEAD_DIM,
+            "streams": mode.num_streams, "pdl": mode.pdl, "tma": not args.no_tma,
+            "timing": "triton.testing.do_bench median, L2 flushed; graph_us = CUDA-graph replay of run()"}
     rows = []
     for spec, hq, hkv in track(cases, description="bench kernels"):
         rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors, streams=args.streams,
                                pdl=pdl, tma=False if args.no_tma else None))
         torch.cuda.empty_cache()
-    result = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16",
-              "head_dim": HEAD_DIM, "streams": mode.num_streams, "pdl": mode.pdl, "tma": not args.no_tma, "timing": "triton.testing.do_bench median, L2 flushed; graph_us = "
-              "CUDA-graph replay of run()", "rows": rows, "summary": summarize(rows)}
+        if args.out:  # every finished case on disk at once: a run cut off by a time limit keeps them
+            _write_json(args.out, {**head, "partial": True, "rows": rows})
+    result = {**head, "rows": rows, "summary": summarize(rows)}
     console = Console(width=200)
     table = Table("tree", "heads", "req", "tokens", "roof us", *[f"{s} us (x)" for s in strategies],
                   "best peer us", "speedup")
@@ -166,12 +169,16 @@ def run(args) -> int:
     for k, v in result["summary"].items():
         console.print(f"{k}: " + ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items()))
     if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_json(args.out, result)
     if args.plot:
         plot(rows, strategies, args.plot)
     return 0
+
+
+def _write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def add_parser(subparsers) -> None:

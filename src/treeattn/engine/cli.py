@@ -293,7 +293,14 @@ def bench_command(args) -> int:
     console.print(f"model {args.model or args.random_weights} ({model.config.num_parameters() / 1e9:.2f} B "
                   f"parameters, {str(model.dtype)[6:]}) on {model.device}")
 
+    done = {}
+
     def progress(name, strategy, r):
+        # every finished run is on disk at once: a benchmark cut off by a time limit keeps them
+        done.setdefault(name, {})[strategy] = r
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"partial": True, "runs": done}, f, indent=1)
         console.print(f"  {name:16s} {strategy:10s} {r['mean_step_ms']:8.2f} ms/step  "
                       f"gpu {r['gpu_step_ms']:7.2f} "
                       f"attn {r['breakdown_ms']['attention']:7.2f}  GPU idle {r['idle_ms']:.3f} ms/step "
