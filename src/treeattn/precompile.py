@@ -4,7 +4,7 @@ process calls :func:`precompile` at start-up, in worker processes where it is gi
 :meth:`treeattn.TreeAttention.precompile` with the wrapper's launch mode,
 :meth:`treeattn.engine.TreeEngine.precompile_kernels` with the engine's.
 
-``python -m treeattn.precompile`` is the worker: it launches its share of the variants, so that
+:func:`main` is the worker (a new interpreter): it launches its share of the variants, so that
 Triton writes them to its on-disk cache, which the process that started it then reads.
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: 
 @functools.cache
 def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
                         workers: int) -> None:
-    """Run ``workers`` processes of ``python -m treeattn.precompile``, each its share of the
+    """Run ``workers`` processes of :func:`main`, each its share of the
     variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
     process for each set of arguments (cached): a later call finds the variants in this process's
     JIT cache, where starting the workers again made it take 9-12 s instead of 2.4 s or less
@@ -138,10 +138,12 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
               f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma
     # (a new interpreter, not a fork: CUDA cannot be used in a forked child; and not
-    # multiprocessing's spawn, which would re-run a caller's script without a main guard)
+    # multiprocessing's spawn, which would re-run a caller's script without a main guard; nor
+    # ``-m treeattn.precompile``, which the package's import would load a second time)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-m", "treeattn.precompile", *common, f"--index={i}"], env=env,
+    procs = [subprocess.Popen([sys.executable, "-c", "from treeattn.precompile import main; main()", *common,
+                               f"--index={i}"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for i in range(workers)]
     errors = [(i, p.communicate()[1]) for i, p in enumerate(procs)]
@@ -170,6 +172,3 @@ def main(argv=None) -> None:
                   args.index, args.count)
     torch.cuda.synchronize()
 
-
-if __name__ == "__main__":
-    main()
