@@ -131,7 +131,7 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     """Run ``workers`` processes of :func:`main`, each its share of the
     variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
     process for each set of arguments (cached): a later call finds the variants in this process's
-    JIT cache, where starting the workers again made it take 9-12 s instead of 2.4 s or less
+    JIT cache, where starting the workers again made it take 8.6-11.9 s instead of 0.1 s
     (an H100, 16 workers; benchmarks/results/h100_precompile_workers.json)."""
     t0 = time.perf_counter()
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
