@@ -98,6 +98,12 @@ def summarize(rows) -> dict:
                                                      for r in peered),
             "cases_with_peers": len(peered),
         }
+        # auto's choice against the fastest concrete strategy timed in the same run (graph replay)
+        ratios = [r["graph_us"]["auto"] / min(v for s, v in r["graph_us"].items() if s != "auto")
+                  for r in sel if "auto" in r["graph_us"] and len(r["graph_us"]) > 1]
+        if ratios:
+            out[f"{hq}/{hkv}"].update(auto_within_5pct_of_fastest=sum(x <= 1.05 for x in ratios),
+                                      auto_worst_over_fastest=max(ratios), cases_compared=len(ratios))
     return out
 
 
@@ -142,15 +148,18 @@ def run(args) -> int:
     anchors = load_anchors()
     bandwidth = copy_bandwidth()
     pdl = {"auto": None, "on": True, "off": False}[args.pdl]
-    mode = TreeAttention(device="cuda", streams=args.streams, pdl=pdl)  # (the launch mode, resolved)
+    tma = False if args.no_tma else None
+    mode = TreeAttention(device="cuda", streams=args.streams, pdl=pdl, tma=tma)  # (the launch mode, resolved)
     cases = [(spec, hq, hkv) for spec in suite_trees(args.suite) for hq, hkv in heads]
+    compile_s = _precompile(mode, heads, args.compile_workers)
     head = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16", "head_dim": HEAD_DIM,
             "streams": mode.num_streams, "pdl": mode.pdl, "tma": not args.no_tma,
-            "timing": "triton.testing.do_bench median, L2 flushed; graph_us = CUDA-graph replay of run()"}
+            "timing": "triton.testing.do_bench median, L2 flushed; graph_us = CUDA-graph replay of run()",
+            "precompile_s": compile_s}
     rows = []
     for spec, hq, hkv in track(cases, description="bench kernels"):
         rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors, streams=args.streams,
-                               pdl=pdl, tma=False if args.no_tma else None))
+                               pdl=pdl, tma=tma))
         torch.cuda.empty_cache()
         if args.out:  # every finished case on disk at once: a run cut off by a time limit keeps them
             _write_json(args.out, {**head, "partial": True, "rows": rows})
@@ -175,6 +184,18 @@ def run(args) -> int:
     return 0
 
 
+def _precompile(mode: TreeAttention, heads: list, workers: int | None) -> float | None:
+    """Compile every kernel variant of the suite's launch mode for each head config in
+    ``workers`` processes first (None: on first use, inside the timed cases' warm-up); seconds."""
+    if workers is None:
+        return None
+    t0 = time.perf_counter()
+    for hq, hkv in heads:
+        mode.precompile(num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM, dtype=torch.float16,
+                        page_size=1, workers=workers)
+    return time.perf_counter() - t0
+
+
 def _write_json(path: str, obj: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
@@ -193,6 +214,9 @@ def add_parser(subparsers) -> None:
                    help="programmatic dependent launches on one stream (Hopper, --streams 0)")
     p.add_argument("--no-tma", action="store_true",
                    help="load K/V through pointers only (no tensor descriptors on Hopper)")
+    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
+                   help="compile every kernel variant of each head config up front in N processes "
+                        "(0: in this process; default: each on its first launch)")
     p.add_argument("--out", default="benchmarks/results/h200_kernels.json")
     p.add_argument("--plot", default="benchmarks/results/h200_kernels.png")
     p.set_defaults(func=run)
