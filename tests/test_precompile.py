@@ -9,9 +9,20 @@ from treeattn.plan.plan import HeadConfig, launch_shapes
 from treeattn.precompile import precompile
 
 
-def test_precompile_launches_every_variant(device):
+@pytest.fixture
+def recorded(monkeypatch):
+    """The variants launched, as keys, in place of the kernels."""
+    calls = []
+    monkeypatch.setattr(pc, "partial_attention", lambda q, k, v, plan, *a, merge_last=False, **kw: calls.append(
+        ("attention", plan.launches, plan.num_direct, plan.has_mask, merge_last)))
+    monkeypatch.setattr(pc, "merge_partials", lambda o, lse, qi, indptr, idx, out, lse_out, *, max_rows, pdl: calls.append(
+        ("merge", o.shape[0], max_rows, lse_out is None)))
+    return calls
+
+
+def test_precompile_covers_every_variant(recorded):
     """Serving warms Triton up front: every launch shape a plan can use, with and without the
-    tree mask, and every merge head-block, run once on dummy data."""
+    tree mask, and every merge head-block, each launched once (recorded, not run)."""
     heads = HeadConfig(8, 2, 16, torch.float32)
     shapes = launch_shapes(heads)
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
@@ -26,19 +37,19 @@ def test_precompile_launches_every_variant(device):
 
     configs, tall, short = count((16, 32, 64, 128)), count((64, 128)), count((16, 32))
     assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
-    assert precompile(heads, page_size=16, device=device) == \
+    assert precompile(heads, page_size=16, device="cpu") == len(recorded) == len(set(map(repr, recorded))) == \
         (2 * 2 + 2 * 2 * 2) * configs + (2 + 2 * 2) * short + 2 * 2 * tall + 2 * (3 * 5 + 1)
 
 
-@pytest.fixture
-def recorded(monkeypatch):
-    """The variants launched, as keys, in place of the kernels."""
-    calls = []
-    monkeypatch.setattr(pc, "partial_attention", lambda q, k, v, plan, *a, merge_last=False, **kw: calls.append(
-        ("attention", plan.launches, plan.num_direct, plan.has_mask, merge_last)))
-    monkeypatch.setattr(pc, "merge_partials", lambda o, lse, qi, indptr, idx, out, lse_out, *, max_rows, pdl: calls.append(
-        ("merge", o.shape[0], max_rows, lse_out is None)))
-    return calls
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_precompile_variants_run(device, page_size):
+    """The variants run on their dummy data, pages of one token included: on a GPU every one of
+    them (compiled); under the interpreter every 8th (each variant's real launch takes ~0.5 s)."""
+    heads = HeadConfig(8, 2, 16, torch.float32)
+    total = pc._launch_share(heads, page_size, device, False, False, 0, 1 if device.type == "cuda" else 8)
+    assert total > 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("count", [2, 3, 7])

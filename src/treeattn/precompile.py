@@ -82,11 +82,12 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
     from treeattn.tree import DecodingTree
 
     hq, hkv, d, dt = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.dtype
-    kc = torch.randn(1, page_size, hkv, d, device=device).to(dt)
+    pages = -(-2 // page_size)  # the dummy node's two tokens
+    kc = torch.randn(pages, page_size, hkv, d, device=device).to(dt)
     q = torch.randn(2, hq, d, device=device).to(dt)
     for prefix in (2, 1):  # both queries see the node whole; then one sees a part: the tree mask
         tree = DecodingTree.from_parents([-1], [2], query_nodes=[0, 0], query_prefix=[2, prefix],
-                                         page_size=page_size, num_slots=page_size)
+                                         page_size=page_size, num_slots=pages * page_size)
         plan = make_plan(tree, heads, strategy="node", device=device)
         o_part = torch.empty(plan.num_rows, hq, d, device=device, dtype=heads.partial_dtype)
         lse_part = torch.empty(plan.num_rows, hq, device=device)
