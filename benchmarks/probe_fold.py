@@ -1,5 +1,6 @@
 """Probe: the last launch's fold (``Plan.merge_last``) against the merge launch it replaces, plan
-by plan in one process, beside the last launch's features, to find a rule for when to fold.
+by plan in one process, beside the last launch's features, to find a rule for when to fold (whatever
+``CostModel.merge_last_min_group``, which session 33 set from this probe on an H200).
 
 Sessions 31-32 (H100): over the 33 ``auto`` suite plans that fold, the fold saved -11.0 to +15.9
 us against the merge launch, measured between processes (old and new code). ``1,1024_2048,32``
@@ -48,14 +49,15 @@ def features(plan, num_sms: int = 132) -> dict:
             "launches": len(plan.launches), "strategy": plan.strategy}
 
 
-def folding_plans(device: str, trees=None):
-    """Yield ``(spec, hq, hkv, wrapper, plan)`` of every ``auto`` plan that folds (on the CPU: as the
-    default mode's model on Hopper plans them)."""
+def folding_plans(device: str, trees=None, heads=HEADS):
+    """Yield ``(spec, hq, hkv, wrapper, plan)`` of every ``auto`` plan that folds at any GQA group
+    (``merge_last_min_group=1``; on the CPU: as the default mode's model on Hopper plans them)."""
     for spec in trees or suite_trees("all"):
         tree = tree_from_spec(spec)
-        for hq, hkv in HEADS:
-            cost = None if device == "cuda" else CostModel(side_streams=True, tma=True, pdl=True)
-            w = TreeAttention(device=device, cost=cost)
+        for hq, hkv in heads:
+            mode = TreeAttention(device=device).cost if device == "cuda" else CostModel(
+                side_streams=True, tma=True, pdl=True)
+            w = TreeAttention(device=device, cost=dataclasses.replace(mode, merge_last_min_group=1))
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
             if plan.merge_last:
                 yield spec, hq, hkv, w, plan
@@ -65,12 +67,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--list", action="store_true", help="plan on this host and print the features")
     ap.add_argument("--trees", default=None, help="comma-free list separated by ';' (default: the suite)")
+    ap.add_argument("--heads", default=",".join(f"{a}/{b}" for a, b in HEADS), help="query/KV heads, comma-separated")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of fold / merge launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     trees = args.trees.split(";") if args.trees else None
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     if args.list:
-        for spec, hq, hkv, _, plan in folding_plans("cpu", trees):
+        for spec, hq, hkv, _, plan in folding_plans("cpu", trees, heads):
             print(spec, f"{hq}/{hkv}", json.dumps(features(plan)))
         return
     import triton
@@ -79,7 +83,7 @@ def main() -> None:
     from treeattn.bench.timing import capture_graph, provenance
 
     res = {**provenance(), "rows": []}
-    for spec, hq, hkv, w, plan in folding_plans("cuda", trees):
+    for spec, hq, hkv, w, plan in folding_plans("cuda", trees, heads):
         q, k, v, _ = case_inputs(tree_from_spec(spec), hq, hkv)
         plans = {"fold": plan, "merge": dataclasses.replace(plan, merge_launch=-1)}
         outs = {name: torch.empty_like(q) for name in plans}

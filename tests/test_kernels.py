@@ -232,8 +232,8 @@ def test_last_launch_merges_like_the_merge_launch(rng, device, strategy, spec, t
     paged, kc, vc = paged_copy(tree, k, v, 16, rng)
     o_ref, lse_ref = reference_attention(q.double(), kc.double(), vc.double(), paged)
     q, kc, vc = (t.to(device) for t in (q, kc, vc))
-    w = TreeAttention(device=device, backend="triton", streams=0, cost=CostModel(side_streams=tall_first,
-                                                                                    tall_first_s=0.0))
+    w = TreeAttention(device=device, backend="triton", streams=0, cost=CostModel(
+        side_streams=tall_first, tall_first_s=0.0, merge_last_min_group=1))
     plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy=strategy)
     assert plan.merge_last and plan.tall_first == tall_first and plan.merge_q_indices.numel() > 0
     w._workspace.fill_(float("nan"))  # (the last launch writes no partial row the output needs)
@@ -259,7 +259,9 @@ def test_last_launch_merge_on_one_stream_matches_side_streams(spec):
     tree = tree_from_spec(spec)
     q, k, v = (torch.randn(n, h, 128, device="cuda", dtype=torch.float16)
                for n, h in ((tree.num_queries, 32), (tree.num_tokens, 8), (tree.num_tokens, 8)))
-    one, side = TreeAttention(device="cuda"), TreeAttention(device="cuda", streams=3, pdl=False)
+    mode = TreeAttention(device="cuda").cost  # the default launch mode's, folding at any GQA group
+    one = TreeAttention(device="cuda", cost=dataclasses.replace(mode, merge_last_min_group=1))
+    side = TreeAttention(device="cuda", streams=3, pdl=False)
     plan = one.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=128, strategy="node")
     assert plan.merge_last
     want = torch.empty_like(q)

@@ -24,8 +24,12 @@ def kv_bytes(tokens: int, heads: HeadConfig = HEADS) -> int:
     return tokens * heads.num_kv_heads * heads.head_dim * 2 * heads.elem_bytes
 
 
+#: plans whose last launch may merge whatever their GQA group (the default takes groups of 8 on)
+FOLD_ANY = CostModel(merge_last_min_group=1)
+
+
 def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
-    plan = make_plan(tree, heads, strategy=strategy)
+    plan = make_plan(tree, heads, strategy=strategy, cost=FOLD_ANY)
     got_q, got_t = planned_coverage(tree, plan)
     exp_q, exp_t = expected_coverage(tree)
     assert np.array_equal(got_q, exp_q) and np.array_equal(got_t, exp_t), \
@@ -358,3 +362,18 @@ def test_precompile_covers_the_kernel_suite(spec):
     tree = tree_from_spec(spec)
     for heads in PRECOMPILE_HEADS[:3]:
         assert_precompiled(tree, heads, ("auto", "node", "greedy", "paths"))
+
+
+@pytest.mark.parametrize("hq,hkv,min_group,folds", [(32, 8, 8, False), (64, 8, 8, True), (32, 32, 8, False),
+                                                    (32, 8, 4, True), (32, 32, 1, True)])
+def test_last_launch_merges_from_the_cost_models_gqa_group(hq, hkv, min_group, folds):
+    """The last launch merges (``merge_last``) only in plans whose GQA group is at least
+    ``CostModel.merge_last_min_group`` (8 by default: the H200 timed the fold faster than the merge
+    launch at 64/8 only); the rest of the plan is the same either way."""
+    tree, heads = tree_from_spec("2,8_300,20"), HeadConfig(hq, hkv, 128, torch.float16)
+    plan = make_plan(tree, heads, strategy="node", cost=CostModel(merge_last_min_group=min_group))
+    other = make_plan(tree, heads, strategy="node", cost=CostModel(merge_last_min_group=64 if folds else 1))
+    assert plan.merge_last == folds and other.merge_last != folds
+    assert plan.launches == other.launches and torch.equal(plan.merge_indices, other.merge_indices)
+    if min_group == 8:
+        assert make_plan(tree, heads, strategy="node").merge_last == folds  # the default

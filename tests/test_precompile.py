@@ -1,5 +1,7 @@
 """precompile: every kernel variant a plan can launch, compiled up front (in this process under
 Triton's interpreter; worker processes on CUDA devices)."""
+import os
+
 import pytest
 import torch
 
@@ -44,12 +46,15 @@ def test_precompile_covers_every_variant(recorded):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_precompile_variants_run(device, page_size):
     """The variants run on their dummy data, pages of one token included: on a GPU every one of
-    them (compiled); under the interpreter every 8th (each variant's real launch takes ~0.5 s)."""
+    them, compiled in worker processes first; under the interpreter every 8th (each variant's
+    real launch takes ~0.5 s)."""
     heads = HeadConfig(8, 2, 16, torch.float32)
-    total = pc._launch_share(heads, page_size, device, False, False, 0, 1 if device.type == "cuda" else 8)
-    assert total > 0
     if device.type == "cuda":
+        total = precompile(heads, page_size=page_size, device=device, workers=min(8, os.cpu_count() or 1))
         torch.cuda.synchronize()
+        assert total == sum(1 for _ in pc._variants(heads, page_size, device, False, False))
+    else:
+        assert pc._launch_share(heads, page_size, device, False, False, 0, 8) > 0
 
 
 @pytest.mark.parametrize("count", [2, 3, 7])

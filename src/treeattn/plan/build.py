@@ -184,8 +184,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     Drops empty segments, items without tokens or queries; picks each item's query tile;
     builds the KV slot list, the merge map, the tree mask (only when needed, with each work
     unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`) gives the SM
-    count that sizes the launches' pipelines (:func:`~treeattn.plan.addressing.contig_launches`) and
-    decides :attr:`Plan.tall_first`.
+    count that sizes the launches' pipelines (:func:`~treeattn.plan.addressing.contig_launches`),
+    decides :attr:`Plan.tall_first` and whether the last launch may merge
+    (:attr:`CostModel.merge_last_min_group`).
     """
     cost = cost or CostModel()
     topo = tree.topology
@@ -388,7 +389,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         tree_mask=t["tree_mask"], query_pos=t["query_pos"], query_prefix=t["query_prefix"],
         launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates, tall_first=tall_first,
-        merge_launch=merge_launch(launches, tall_first, work_row_indptr, row_q, q_rows),
+        merge_launch=merge_launch(launches, tall_first, work_row_indptr, row_q, q_rows)
+        if heads.group >= cost.merge_last_min_group else -1,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node, untailed=_untailed(tail_node, tree.num_nodes), seg_len=seg_mask[0], seg_rec=seg_mask[1],
                       tail_seg=seg_mask[2],

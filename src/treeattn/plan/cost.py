@@ -119,6 +119,12 @@ class CostModel:
     choice_margin: float = 0.02
     #: let ``node`` and ``greedy`` pack small leaf items (:mod:`treeattn.plan.packing`)
     leaf_packing: bool = True
+    #: the smallest GQA group (query heads a KV head) whose plans let their last launch merge
+    #: (:attr:`~treeattn.plan.plan.Plan.merge_last`) rather than launch the merge. Timed both ways
+    #: in one process on an H200 (benchmarks/probe_fold.py, results/h200_probe_fold.json), the
+    #: fold saved 1-10 us on all 8 suite plans at 64/8 that take it and lost up to 15 us (0 to 11%)
+    #: on 23 of 25 at 32/32 and 32/8
+    merge_last_min_group: int = 8
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056
