@@ -121,9 +121,10 @@ class CostModel:
     leaf_packing: bool = True
     #: the smallest GQA group (query heads a KV head) whose plans let their last launch merge
     #: (:attr:`~treeattn.plan.plan.Plan.merge_last`) rather than launch the merge. Timed both ways
-    #: in one process on an H200 (benchmarks/probe_fold.py, results/h200_probe_fold.json), the
-    #: fold saved 1-10 us on all 8 suite plans at 64/8 that take it and lost up to 15 us (0 to 11%)
-    #: on 23 of 25 at 32/32 and 32/8
+    #: in one process on an H200 (benchmarks/probe_fold.py, results/h200_probe_fold*.json), the
+    #: fold was faster on 15 of the 20 suite plans of group 8 (64/8, 16/2) and slower on 29 of the
+    #: 36 of groups 1 and 4 (32/32, 64/64, 32/8; up to 15-19 us, 12%): the group decides, not the
+    #: head count. (On an H100, group 1 gained up to 2%.)
     merge_last_min_group: int = 8
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split

@@ -248,7 +248,8 @@ class Plan:
         dispatched first.
     merge_launch : int
         The launch (index into ``launches``) that holds exactly one partial row of every query
-        that has several, and may merge them (:func:`~treeattn.plan.merge.launch_merges`), or -1.
+        that has several, and may merge them (:func:`~treeattn.plan.merge.launch_merges`; plans
+        of a GQA group below :attr:`CostModel.merge_last_min_group` never do), or -1.
         When it runs last (:attr:`merge_last`) and the launches run in order on one stream, it
         merges each query's rows itself and no merge launch is needed
         (:func:`~treeattn.ops.partial_attention`'s ``merge_last``).
