@@ -91,7 +91,7 @@ def test_workers_get_the_current_cuda_device(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(pc, "_compile_in_workers", lambda heads, page, device, *a: seen.append(device))
-    monkeypatch.setattr(pc, "_launch_share", lambda *a: 0)
+    monkeypatch.setattr(pc, "_launch_share", lambda *a, **kw: 0)
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2)
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2)
     assert seen == [torch.device("cuda", 3), torch.device("cuda", 1)]
@@ -108,5 +108,34 @@ def test_tree_attention_precompiles_its_own_launch_mode(monkeypatch):
     kw = dict(num_qo_heads=8, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16, page_size=16)
     assert TreeAttention(backend="torch").precompile(**kw) == 0
     assert TreeAttention(backend="triton").precompile(**kw, workers=3) == 7
-    assert seen == [(HeadConfig(8, 2, 16, torch.bfloat16),
-                     dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False, workers=3))]
+    # merging last launches from the cost model's GQA group on (8 by default): not at 8/2
+    assert TreeAttention(backend="triton").precompile(**{**kw, "num_qo_heads": 16}) == 7
+    common = dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False)
+    assert seen == [(HeadConfig(8, 2, 16, torch.bfloat16), dict(common, merge_last=False, workers=3)),
+                    (HeadConfig(16, 2, 16, torch.bfloat16), dict(common, merge_last=True, workers=0))]
+
+
+def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch):
+    """``merge_last=False`` (plans whose GQA group never folds) leaves out exactly the variants
+    whose launch merges, and the workers are told so."""
+    heads = HeadConfig(32, 8, 128, torch.bfloat16)
+    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1)
+    merging = sum(1 for c in recorded if c[0] == "attention" and c[4])
+    recorded.clear()
+    assert pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, merge_last=False) \
+        == everything - merging and merging > 0
+    assert not any(c[0] == "attention" and c[4] for c in recorded)
+    argv = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, args, **kw):
+            argv.append(args)
+
+        def communicate(self):
+            return "", ""
+
+    monkeypatch.setattr(pc.subprocess, "Popen", Proc)
+    pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, 2, False)  # (uncached)
+    assert len(argv) == 2 and all("--no-merge-last" in a for a in argv)

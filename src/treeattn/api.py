@@ -150,14 +150,15 @@ class TreeAttention:
                    dtype: torch.dtype = torch.float16, page_size: int, workers: int = 0) -> int:
         """Compile every kernel variant this wrapper's plans for these heads can launch, now
         (Triton compiles a variant on its first launch, seconds each): with this wrapper's
-        ``pdl`` and TMA loads, in ``workers`` processes on a GPU
+        ``pdl``, TMA loads and merging last launches, in ``workers`` processes on a GPU
         (:func:`treeattn.precompile.precompile`). Returns the launches made here; 0 with the
         torch backend."""
         if self.backend != "triton":
             return 0
         heads = HeadConfig(num_qo_heads, num_kv_heads, head_dim, dtype)
         return precompile(heads, page_size=page_size, device=self.device, pdl=self.pdl,
-                          tma=tma_loads(heads, self.cost), workers=workers)
+                          tma=tma_loads(heads, self.cost), merge_last=heads.group >= self.cost.merge_last_min_group,
+                          workers=workers)
 
     def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the workspace that ``run`` gives ``plan``'s partial results:

@@ -51,7 +51,7 @@ def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
-               tma: bool = False, workers: int = 0) -> int:
+               tma: bool = False, merge_last: bool = True, workers: int = 0) -> int:
     """Launch every partial-attention variant a plan for ``heads`` can use (each of
     :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
     order x mask split x split tail)
@@ -61,6 +61,8 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     :func:`~treeattn.ops.merge_partials` launch with ``pdl``.
     ``tma``: the plans may take :func:`~treeattn.plan.addressing.tma_launches`
     (:func:`~treeattn.plan.addressing.tma_loads`).
+    ``merge_last``: the plans' last launch may merge (:attr:`~treeattn.plan.plan.Plan.merge_last`;
+    :attr:`~treeattn.plan.cost.CostModel.merge_last_min_group`); without it, no merging variant.
     ``workers``: on a CUDA device, first compile in this many worker processes (each launches
     every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
     this process then loads them from there). Each holds a CUDA context while it runs.
@@ -72,11 +74,12 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     if workers > 1 and device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        _compile_in_workers(heads, page_size, device, pdl, tma, workers)
-    return _launch_share(heads, page_size, device, pdl, tma, 0, 1)
+        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last)
+    return _launch_share(heads, page_size, device, pdl, tma, 0, 1, merge_last=merge_last)
 
 
-def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool):
+def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
+              merge_last: bool = True):
     """Yield one callable per variant, which launches it (on dummy data, shared between them)."""
     from treeattn.plan import make_plan
     from treeattn.tree import DecodingTree
@@ -97,7 +100,7 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
                 launch_configs(heads, tma=tma), ("part", "direct", "merge"), (False, True), (False, True),
                 (False, True)):
             if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
-                    or (tma_ and not tail) or (rows == "merge" and not launch_merges(m, tma_)):
+                    or (tma_ and not tail) or (rows == "merge" and not (merge_last and launch_merges(m, tma_))):
                 continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
                                                                 heads_inner=inner, mask_split=split,
@@ -117,10 +120,11 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
 
 
 def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, index: int,
-                  count: int) -> int:
+                  count: int, *, merge_last: bool = True) -> int:
     """Launch variants ``index``, ``index + count``, ... of :func:`_variants`; returns how many."""
     launches = 0
-    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma), index, None, count):
+    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma, merge_last=merge_last),
+                                   index, None, count):
         launch()
         launches += 1
     return launches
@@ -128,7 +132,7 @@ def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: 
 
 @functools.cache
 def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
-                        workers: int) -> None:
+                        workers: int, merge_last: bool = True) -> None:
     """Run ``workers`` processes of :func:`main`, each its share of the
     variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
     process for each set of arguments (cached): a later call finds the variants in this process's
@@ -137,7 +141,8 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     t0 = time.perf_counter()
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
-              f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma
+              f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma \
+        + ["--no-merge-last"] * (not merge_last)
     # (a new interpreter, not a fork: CUDA cannot be used in a forked child; and not
     # multiprocessing's spawn, which would re-run a caller's script without a main guard; nor
     # ``-m treeattn.precompile``, which the package's import would load a second time)
@@ -163,6 +168,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", required=True)
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--tma", action="store_true")
+    ap.add_argument("--no-merge-last", action="store_true")
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--count", type=int, required=True)
     args = ap.parse_args(argv)
@@ -170,6 +176,6 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     torch.cuda.set_device(device)  # (Triton compiles for the current device)
     _launch_share(HeadConfig(hq, hkv, d, getattr(torch, args.dtype)), args.page_size, device, args.pdl, args.tma,
-                  args.index, args.count)
+                  args.index, args.count, merge_last=not args.no_merge_last)
     torch.cuda.synchronize()
 

@@ -75,7 +75,8 @@ class TreeEngine(SpeculativeSteps):
     compile_workers : int or None
         Processes that :meth:`precompile_kernels` compiles in on a GPU (each holds a CUDA context
         while it runs; 0: this process); None: one a CPU core, up to 16. 408 variants of
-        Llama-3-8B took 54-65 s with 14 on an H100 host, over 393 s in one process (session 32).
+        Llama-3-8B took 54-65 s with 14 on an H100 host, over 393 s in one process (session 32;
+        342 since its plans no longer merge in their last launch, session 33).
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
