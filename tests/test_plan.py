@@ -373,7 +373,8 @@ def test_last_launch_merges_from_the_cost_models_gqa_group(hq, hkv, min_group, f
     tree, heads = tree_from_spec("2,8_300,20"), HeadConfig(hq, hkv, 128, torch.float16)
     plan = make_plan(tree, heads, strategy="node", cost=CostModel(merge_last_min_group=min_group))
     other = make_plan(tree, heads, strategy="node", cost=CostModel(merge_last_min_group=64 if folds else 1))
-    assert plan.merge_last == folds and other.merge_last != folds
+    assert plan.merge_last == folds == CostModel(merge_last_min_group=min_group).merges_last(heads)
+    assert other.merge_last != folds
     assert plan.launches == other.launches and torch.equal(plan.merge_indices, other.merge_indices)
     if min_group == 8:
         assert make_plan(tree, heads, strategy="node").merge_last == folds  # the default

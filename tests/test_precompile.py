@@ -49,12 +49,12 @@ def test_precompile_variants_run(device, page_size):
     them, compiled in worker processes first; under the interpreter every 8th (each variant's
     real launch takes ~0.5 s)."""
     heads = HeadConfig(8, 2, 16, torch.float32)
+    total = sum(1 for _ in pc._variants(heads, page_size, device, False, False))
     if device.type == "cuda":
-        total = precompile(heads, page_size=page_size, device=device, workers=min(8, os.cpu_count() or 1))
+        assert precompile(heads, page_size=page_size, device=device, workers=min(8, os.cpu_count() or 1)) == total
         torch.cuda.synchronize()
-        assert total == sum(1 for _ in pc._variants(heads, page_size, device, False, False))
     else:
-        assert pc._launch_share(heads, page_size, device, False, False, 0, 8) > 0
+        assert pc._launch_share(heads, page_size, device, False, False, 0, 8) == len(range(0, total, 8)) > 0
 
 
 @pytest.mark.parametrize("count", [2, 3, 7])

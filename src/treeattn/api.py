@@ -157,8 +157,7 @@ class TreeAttention:
             return 0
         heads = HeadConfig(num_qo_heads, num_kv_heads, head_dim, dtype)
         return precompile(heads, page_size=page_size, device=self.device, pdl=self.pdl,
-                          tma=tma_loads(heads, self.cost), merge_last=heads.group >= self.cost.merge_last_min_group,
-                          workers=workers)
+                          tma=tma_loads(heads, self.cost), merge_last=self.cost.merges_last(heads), workers=workers)
 
     def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the workspace that ``run`` gives ``plan``'s partial results:

@@ -390,7 +390,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates, tall_first=tall_first,
         merge_launch=merge_launch(launches, tall_first, work_row_indptr, row_q, q_rows)
-        if heads.group >= cost.merge_last_min_group else -1,
+        if cost.merges_last(heads) else -1,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node, untailed=_untailed(tail_node, tree.num_nodes), seg_len=seg_mask[0], seg_rec=seg_mask[1],
                       tail_seg=seg_mask[2],

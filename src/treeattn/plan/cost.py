@@ -156,6 +156,11 @@ class CostModel:
                             else (self.program_bandwidth, self.program_flops))
         return kv_tiles * (block_n * d * 2 * _elem_bytes(heads) / bandwidth + 4.0 * block_m * block_n * d / flops)
 
+    def merges_last(self, heads: HeadConfig) -> bool:
+        """Whether plans for ``heads`` may let their last launch merge
+        (:attr:`merge_last_min_group`)."""
+        return heads.group >= self.merge_last_min_group
+
     def tall_first(self, longest_s: list) -> bool:
         """Whether launches whose longest programs take ``longest_s`` seconds (:meth:`program_s`
         with ``tall_first``) run the tallest query tiles first (:attr:`Plan.tall_first`): with some
