@@ -104,6 +104,7 @@ class CostModel:
     #: rms log error 0.14 on the 12 TMA plans; 1.75-2.25 pick within 5% of the fastest chunking on
     #: all 8 trees, 1.0 on 4)
     tma_speedup: float = 2.0
+    tma_memory_only: bool = False
     #: plans run as programmatic dependent launches (``TreeAttention(pdl=True)``, as the engine
     #: runs them): the merge's launch and wait overlap the attention launches, so what a merge of
     #: few queries costs is its own critical path (``merge_tile_step_s``)
@@ -257,9 +258,15 @@ class CostModel:
         sm = (slots.programs * self.program_overhead_s + work_s) / self.num_sms
         longest_s = longest * tile_s * (1.0 + self.mask_cost * launch_masked)
         if runs is not None:
-            speed = np.where(self._tma(np.array(runs, dtype=bool)[:, None] & ~launch_masked, slots, hkv),
-                             1.0 / self.tma_speedup, 1.0)
-            sm, longest_s = sm * speed, longest_s * speed
+            tma = self._tma(np.array(runs, dtype=bool)[:, None] & ~launch_masked, slots, hkv)
+            if self.tma_memory_only:
+                mem_sm_s, mem_s = self._tile_memory(slots.block_n, heads)
+                cut = 1.0 - 1.0 / self.tma_speedup
+                sm = np.where(tma, sm - cut * (slots.programs * self.program_overhead_s + work * mem_sm_s) / self.num_sms, sm)
+                longest_s = np.where(tma, longest_s - cut * longest * mem_s, longest_s)
+            else:
+                speed = np.where(tma, 1.0 / self.tma_speedup, 1.0)
+                sm, longest_s = sm * speed, longest_s * speed
         sm_all, longest_all = sm[live].tolist(), longest_s[live].tolist()
         rule_all = (longest * rule_tile_s)[live].tolist()
         bounds = [0, *itertools.accumulate(live.sum(axis=1).tolist())]
@@ -305,6 +312,12 @@ class CostModel:
             got = rates[key] = (tile_sm_s, self.program_s(block_m, block_n, 1, heads),
                                 self.program_s(block_m, block_n, 1, heads, tall_first=True))
         return got
+
+    def _tile_memory(self, block_n: np.ndarray, heads: HeadConfig) -> tuple:
+        """float64 [S] twice: the memory part of a KV tile's SM time and of a lone program's
+        seconds per KV tile (:meth:`_tile_rates` without the tile's FLOPs)."""
+        tile_bytes = block_n * (heads.head_dim * 2 * _elem_bytes(heads))
+        return tile_bytes / self.sm_bandwidth, tile_bytes / self.program_bandwidth
 
     def _tma(self, runs: np.ndarray, slots: LaunchSlots, hkv: int) -> np.ndarray:
         """bool [G, S]: the launches the builder gives TMA wide tiles, of those unmasked over runs
