@@ -13,6 +13,7 @@ from helpers import TOL, random_tree, rel_l2
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
 from treeattn.plan.addressing import (
+    DEEP_PIPELINE_MIN_TOKENS,
     GATHERED_NARROW_WARPS,
     SPLIT_TAIL_ROWS,
     SPLIT_TAIL_TILES,
@@ -29,6 +30,7 @@ from treeattn.reference import reference_attention
 from treeattn.workloads import tree_from_spec
 
 HEADS = HeadConfig(8, 2, 32, torch.float32)
+SHORT = np.full(16, 64)  # work units of 64 tokens
 
 
 def runs_brute(slots, start, end):
@@ -50,11 +52,15 @@ def test_contig_launch_rule():
     is_run = np.array([True] * 6 + [False] * 2)
     launches = (Launch(16, 64, 0, 2, 4, 3), Launch(64, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
                 Launch(16, 64, 6, 8, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)  # 16 programs a launch
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # 16 programs a launch
     assert [ln.contig for ln in out] == [True, False, True, False]
     assert [ln.num_stages for ln in out] == [2, 3, 2, 3]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16, has_mask=True, elem_bytes=2)  # one wave each
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # one wave each
     assert [ln.contig for ln in out] == [True, True, True, False]
+    assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
+    # units of DEEP_PIPELINE_MIN_TOKENS on average keep their stages beyond three waves
+    long_first = np.array([DEEP_PIPELINE_MIN_TOKENS + 1, DEEP_PIPELINE_MIN_TOKENS - 1] + [64] * 6)
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=long_first)
     assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
 
 
@@ -66,18 +72,18 @@ def test_tall_contig_launches_take_the_tall_tile():
     tall = Launch(128, 64, 0, 2, 4, 3, masked=False)
     launches = (tall, Launch(128, 64, 2, 4, 4, 3, masked=True), Launch(128, 32, 4, 6, 4, 2, masked=False),
                 Launch(64, 64, 6, 8, 4, 3, masked=False), Launch(128, 64, 8, 10, 4, 3, masked=False, heads_inner=True))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)  # 16 programs: four waves
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # 16 programs: four waves
     assert out[0] == dataclasses.replace(tall, contig=True, block_n=TILE_TALL_CONTIG[0],
                                          num_warps=TILE_TALL_CONTIG[1], num_stages=TILE_TALL_CONTIG[2])
     gathered = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_GATHERED))
     assert out[1] == dataclasses.replace(launches[1], **gathered)  # masked: gathered beyond one wave
-    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False, elem_bytes=2)[0].block_n == 32
+    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False, elem_bytes=2, unit_tokens=SHORT)[0].block_n == 32
     assert out[2] == dataclasses.replace(launches[2], contig=True)
     assert out[3] == launches[3]
     assert out[4].heads_inner and out[4].block_n == TILE_TALL_CONTIG[0]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=2)  # eight waves: too many
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # eight waves: too many
     assert out[0] == dataclasses.replace(tall, **gathered)
-    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=4)[0] == tall
+    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=4, unit_tokens=SHORT)[0] == tall
     for shape in [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2)]:
         assert (TILE_TALL_CONTIG in contig_configs(*shape)) == (shape[:2] == (128, 64))
 
@@ -87,11 +93,11 @@ def test_gathered_32_row_launches_of_many_waves_take_two_warps():
     is_run = np.array([False] * 8 + [True] * 2)
     launches = (Launch(32, 64, 0, 2, 4, 3), Launch(32, 32, 2, 4, 4, 2), Launch(64, 64, 4, 6, 4, 3),
                 Launch(16, 64, 6, 8, 4, 3), Launch(32, 64, 8, 10, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=12, num_sms=4, has_mask=False, elem_bytes=2)  # 24 programs: 6 waves
+    out = contig_launches(launches, is_run, num_kv_heads=12, num_sms=4, has_mask=False, elem_bytes=2, unit_tokens=SHORT)  # 24 programs: 6 waves
     assert out[0] == dataclasses.replace(launches[0], num_warps=GATHERED_NARROW_WARPS)
     assert out[1:4] == launches[1:4]
     assert out[4].contig and out[4].num_warps == 4  # a run: computed addresses, four warps
-    out = contig_launches(launches, is_run, num_kv_heads=11, num_sms=4, has_mask=False, elem_bytes=2)  # 22 programs
+    out = contig_launches(launches, is_run, num_kv_heads=11, num_sms=4, has_mask=False, elem_bytes=2, unit_tokens=SHORT)  # 22 programs
     assert out[0] == launches[0]
     for shape in [(32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 3), (64, 64, 4, 3)]:
         assert ((64, GATHERED_NARROW_WARPS, 3) in gathered_configs(*shape, elem_bytes=2)) == (shape[:2] == (32, 64))
@@ -138,13 +144,13 @@ def test_gathered_tall_launches_take_the_tall_gathered_tile():
     is_run = np.array([False] * 8 + [True] * 2)
     launches = (Launch(128, 64, 0, 2, 4, 3), Launch(128, 64, 2, 4, 4, 3, masked=True, mask_split=True),
                 Launch(64, 64, 4, 6, 4, 3), Launch(128, 32, 6, 8, 4, 2), Launch(128, 64, 8, 10, 4, 3, masked=False))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2)
+    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=SHORT)
     block_n, num_warps, num_stages = TILE_TALL_GATHERED
     for i in (0, 1):
         assert out[i] == dataclasses.replace(launches[i], block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     assert out[2:4] == launches[2:4]
     assert out[4].contig and out[4].block_n == TILE_TALL_CONTIG[0]
-    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=4)[:4] == launches[:4]
+    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=4, unit_tokens=SHORT)[:4] == launches[:4]
     assert gathered_configs(128, 64, 4, 3, elem_bytes=2) == [TILE_TALL_GATHERED]
     assert gathered_configs(128, 64, 4, 3, elem_bytes=4) == [(64, 4, 3)]
     assert gathered_configs(64, 64, 4, 3, elem_bytes=2) == [(64, 4, 3)]

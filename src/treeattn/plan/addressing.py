@@ -12,7 +12,7 @@ import numpy as np
 
 from treeattn.topology import slot_breaks
 
-__all__ = ["TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
+__all__ = ["DEEP_PIPELINE_MIN_TOKENS", "TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
            "runs_between", "split_tails", "tall_tile", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
@@ -33,6 +33,9 @@ TILE_TALL_GATHERED = (32, 4, 7)
 GATHERED_NARROW_ROWS = 32
 GATHERED_NARROW_WAVES = 6
 GATHERED_NARROW_WARPS = 2
+#: Contig launches of more than three programs a SM keep their planned pipeline depth where their
+#: units average DEEP_PIPELINE_MIN_TOKENS tokens or more (:func:`contig_launches`)
+DEEP_PIPELINE_MIN_TOKENS = 1024
 #: Unmasked launches of at least SPLIT_TAIL_ROWS-row tiles take Launch.split_tail when none of their
 #: units ends in a partial KV tile, or when their units average SPLIT_TAIL_TILES tiles or more
 SPLIT_TAIL_ROWS = 64
@@ -55,11 +58,11 @@ def runs_between(breaks: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.
 
 
 def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: int, *, has_mask: bool,
-                    elem_bytes: int) -> tuple:
+                    elem_bytes: int, unit_tokens: np.ndarray) -> tuple:
     """``launches`` (of a plan with a tree mask or not: ``has_mask``; caches of ``elem_bytes``
     bytes an element) with :attr:`Launch.contig` set where every work unit is a run of slots
     (``is_run``, bool [W]) and affine addresses pay, and the launch config of each (tile, warps,
-    stages) for its addressing.
+    stages) for its addressing. ``unit_tokens`` (int [W]): the KV entries of each work unit.
 
     Addresses affine in the loop counter stream faster than gathered ones: a lone program walking
     4K tokens runs 1.5x faster (addresses computed from registers but not affine are as slow as
@@ -100,7 +103,8 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
         elif ln.block_m >= 64 and ln.block_n >= 64 and programs > num_sms:
             out.append(_gathered_tile(ln, elem_bytes))
         else:
-            stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms else ln.num_stages
+            deep = unit_tokens[ln.work_start: ln.work_end].mean() >= DEEP_PIPELINE_MIN_TOKENS
+            stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms and not deep else ln.num_stages
             out.append(dataclasses.replace(ln, contig=True, num_stages=stages))
     return tuple(out)
 

@@ -344,7 +344,8 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                                             tall_first=True))
     gather_launches = tuple(launches)
     launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
-                               heads.num_kv_heads, cost.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes)
+                               heads.num_kv_heads, cost.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
+                               unit_tokens=work_kv_end - work_kv_start)
     if tma_loads(heads, cost):
         launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms)
     launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
