@@ -1,6 +1,9 @@
 """Fit ``CostModel.tma_speedup`` (src/treeattn/plan/cost.py): how much faster than the fitted
 pointer-load rates the launches run that the builder gives TMA wide tiles, where the planner
 knows their items read runs of slots (the lead chunks of token trees over one context).
+Session 28 fitted 2.0 here when the factor sped up a whole program; since session 34 it speeds up
+a program's memory part only (bytes and fixed work, not its MMAs), at 3.0, chosen from an H200 A/B
+(benchmarks/probe_cost_ab.py, NOTES.md).
 
 For every Medusa tree of ``probe_spec.py --parts splits`` (the leads of ``paths``' 128-row tiles
 cut into k chunks, timed as planned and with TMA wide tiles; H100,

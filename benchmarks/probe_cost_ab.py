@@ -6,8 +6,10 @@ A and B twice, under CUDA-graph replay in ``bench kernels``' launch mode (``do_b
 flushed), outputs checked against each other. Cases are suite trees (``SPEC:HQ/HKV``) and Medusa
 token trees over a context laid out as the engine lays it out (``medusaN@CTX``, 32/8).
 
-    python benchmarks/probe_cost_ab.py --b tma_memory_only=1,tma_speedup=3 \\
-        [--cases 1,2,64_1024,256,256:64/8 medusa128@800 ...] [--out FILE]
+    python benchmarks/probe_cost_ab.py --b tma_speedup=2 [--cases 1,2,64_1024,256,256:64/8 medusa128@800 ...] [--out FILE]
+
+(Session 34 ran it at 92dfc35-7e37e90 with ``--b tma_memory_only=1,tma_speedup=3``, a field
+that since became the model's only TMA rating: results/h200_probe_cost_ab_*.json.)
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import sys
 
 import torch
 
-from treeattn import TreeAttention
+from treeattn import CostModel, TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import graph_us, provenance
 from treeattn.workloads import tree_from_spec
@@ -29,10 +31,13 @@ from probe_spec import spec_tree  # noqa: E402 (the engine's layout of a Medusa 
 
 
 def parse_fields(text: str) -> dict:
+    """``"a=1,b=2.5"`` -> CostModel fields, each converted to its field's type."""
+    types = {f.name: f.type for f in dataclasses.fields(CostModel)}
     out = {}
     for kv in text.split(","):
         key, value = kv.split("=")
-        out[key] = bool(int(value)) if key in ("tma_memory_only", "tma", "pdl", "side_streams") else float(value)
+        kind = types[key]
+        out[key] = bool(int(value)) if kind in (bool, "bool") else int(value) if kind in (int, "int") else float(value)
     return out
 
 

@@ -178,11 +178,11 @@ def test_update_keeps_the_tma_tile(device):
 
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_lead_chunks_on_runs_take_tma_as_rated(device, dtype):
-    """A Medusa tree of 128 drafts over a 1500-token context in consecutive slots, its drafts in
+    """A Medusa tree of 64 drafts over a 2500-token context in consecutive slots, its drafts in
     scratch slots: ``paths``' lead chunks are known runs, so with TMA the cost model rates their
     launch of fewer programs than SMs at ``tma_speedup`` and ``auto`` takes chunks loaded through
     descriptors, which match the reference; without TMA the same items are rated at pointer rates."""
-    tree = scratch_medusa(128, 1500, 2048)
+    tree = scratch_medusa(64, 2500, 3072)
     heads = HeadConfig(HQ, HKV, D, dtype)
     tma, pointers = CostModel(side_streams=True, tma=True), CostModel(side_streams=True)
     rated = [(estimate_items(tree, items, heads, tma)["attention"], estimate_items(tree, items, heads, pointers)["attention"])
@@ -193,7 +193,7 @@ def test_lead_chunks_on_runs_take_tma_as_rated(device, dtype):
         pytest.skip("TMA needs compute capability 9.0")
     plan = attn.plan(tree, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=dtype)
     assert plan.strategy == "paths" and any(ln.tma for ln in plan.launches), plan.reason
-    q, k, v = inputs(tree, dtype, num_slots=2048 + 512)
+    q, k, v = inputs(tree, dtype, num_slots=3072 + 512)
     ref = reference_attention(q, k[0], v[0], tree)[0]
     assert rel_l2(attn.run(*(t.to(device, dtype) for t in (q, k[0], v[0])), plan), ref) <= TOL[dtype]
 

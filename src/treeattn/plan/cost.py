@@ -97,14 +97,16 @@ class CostModel:
     #: long runs of slots take (:func:`~treeattn.plan.addressing.tma_launches`). TreeAttention
     #: sets it on CUDA devices of compute capability 9.0 or later
     tma: bool = False
-    #: how much faster than the fitted rates above such a launch runs, its SM time and its longest
-    #: program, where the planner knows its items read runs (:attr:`WorkItems.unmasked_runs`;
-    #: other TMA launches are rated like pointer loads). Fitted on Medusa trees' context chunks in
-    #: 2-6 chunks on an H100 (benchmarks/fit_tma_rate.py on results/h100_probe_spec_splits_f4f5c60.json:
-    #: rms log error 0.14 on the 12 TMA plans; 1.75-2.25 pick within 5% of the fastest chunking on
-    #: all 8 trees, 1.0 on 4)
-    tma_speedup: float = 2.0
-    tma_memory_only: bool = False
+    #: how much faster than the fitted rates above such a launch moves its tiles' bytes and does
+    #: its programs' fixed work, in its SM time and its longest program (its MMAs run at the fitted
+    #: rates), where the planner knows its items read runs (:attr:`WorkItems.unmasked_runs`; other
+    #: TMA launches are rated like pointer loads). Sessions 28-33 sped up the whole program 2.0x
+    #: (fitted on Medusa context chunks on an H100), which rated a 64-program TMA launch of
+    #: 128-row tiles over 1024 tokens at 33 us where it took 45 (the suite's worst choice, 1.15x).
+    #: The memory part 3.0x faster makes that case 1.15x faster, ``1,1024_2048,32`` at 32/8 1.01x
+    #: and Medusa-128 over 800 tokens 1.06x, and changes no other suite or Medusa choice (H200,
+    #: benchmarks/probe_cost_ab.py; NOTES.md, session 34)
+    tma_speedup: float = 3.0
     #: plans run as programmatic dependent launches (``TreeAttention(pdl=True)``, as the engine
     #: runs them): the merge's launch and wait overlap the attention launches, so what a merge of
     #: few queries costs is its own critical path (``merge_tile_step_s``)
@@ -242,8 +244,8 @@ class CostModel:
         set (:func:`~treeattn.plan.launches.launch_slots`). Each launch's SM time and longest
         program are found for all sets at once (the same float operations as one at a time).
         ``runs`` (bool per set, with ``slots.tokens``): the set's unmasked items read runs of
-        slots, so its launches that the builder gives TMA wide tiles run ``tma_speedup`` times
-        faster."""
+        slots, so its launches that the builder gives TMA wide tiles move their bytes and do their
+        programs' fixed work ``tma_speedup`` times faster."""
         hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, _elem_bytes(heads)
         tok_bytes = d * 2 * eb  # K and V of one token of one KV head
         p = self.overlap_exponent
@@ -259,14 +261,10 @@ class CostModel:
         longest_s = longest * tile_s * (1.0 + self.mask_cost * launch_masked)
         if runs is not None:
             tma = self._tma(np.array(runs, dtype=bool)[:, None] & ~launch_masked, slots, hkv)
-            if self.tma_memory_only:
-                mem_sm_s, mem_s = self._tile_memory(slots.block_n, heads)
-                cut = 1.0 - 1.0 / self.tma_speedup
-                sm = np.where(tma, sm - cut * (slots.programs * self.program_overhead_s + work * mem_sm_s) / self.num_sms, sm)
-                longest_s = np.where(tma, longest_s - cut * longest * mem_s, longest_s)
-            else:
-                speed = np.where(tma, 1.0 / self.tma_speedup, 1.0)
-                sm, longest_s = sm * speed, longest_s * speed
+            mem_sm_s, mem_s = self._tile_memory(slots.block_n, heads)
+            cut = 1.0 - 1.0 / self.tma_speedup
+            sm = np.where(tma, sm - cut * (slots.programs * self.program_overhead_s + work * mem_sm_s) / self.num_sms, sm)
+            longest_s = np.where(tma, longest_s - cut * longest * mem_s, longest_s)
         sm_all, longest_all = sm[live].tolist(), longest_s[live].tolist()
         rule_all = (longest * rule_tile_s)[live].tolist()
         bounds = [0, *itertools.accumulate(live.sum(axis=1).tolist())]
