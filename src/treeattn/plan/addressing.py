@@ -103,8 +103,9 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
         elif ln.block_m >= 64 and ln.block_n >= 64 and programs > num_sms:
             out.append(_gathered_tile(ln, elem_bytes))
         else:
-            deep = unit_tokens[ln.work_start: ln.work_end].mean() >= DEEP_PIPELINE_MIN_TOKENS
-            stages = ln.num_stages - 1 if ln.num_stages >= 3 and programs > 3 * num_sms and not deep else ln.num_stages
+            shallow = (ln.num_stages >= 3 and programs > 3 * num_sms
+                       and unit_tokens[ln.work_start: ln.work_end].mean() < DEEP_PIPELINE_MIN_TOKENS)
+            stages = ln.num_stages - 1 if shallow else ln.num_stages
             out.append(dataclasses.replace(ln, contig=True, num_stages=stages))
     return tuple(out)
 

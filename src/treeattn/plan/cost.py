@@ -251,7 +251,7 @@ class CostModel:
         p = self.overlap_exponent
         inv_p = 1.0 / p
         work, longest, live = slots.work, slots.longest, slots.live
-        tile_sm_s, tile_s, rule_tile_s = self._tile_rates(slots.block_m, slots.block_n, heads)
+        tile_sm_s, tile_s, rule_tile_s, mem_sm_s, mem_s = self._tile_rates(slots.block_m, slots.block_n, heads)
         # a set not rated per item: all its launches masked or none
         masked, per_item = np.array([s[4] for s in sets] + [s[5] for s in sets], dtype=bool).reshape(2, -1, 1)
         launch_masked = np.where(per_item, slots.flags, masked)
@@ -261,7 +261,6 @@ class CostModel:
         longest_s = longest * tile_s * (1.0 + self.mask_cost * launch_masked)
         if runs is not None:
             tma = self._tma(np.array(runs, dtype=bool)[:, None] & ~launch_masked, slots, hkv)
-            mem_sm_s, mem_s = self._tile_memory(slots.block_n, heads)
             cut = 1.0 - 1.0 / self.tma_speedup
             sm = np.where(tma, sm - cut * (slots.programs * self.program_overhead_s + work * mem_sm_s) / self.num_sms, sm)
             longest_s = np.where(tma, longest_s - cut * longest * mem_s, longest_s)
@@ -296,26 +295,24 @@ class CostModel:
         return out
 
     def _tile_rates(self, block_m: np.ndarray, block_n: np.ndarray, heads: HeadConfig) -> tuple:
-        """float64 [S] thrice, for launch shapes of query tile ``block_m`` by KV tile ``block_n``:
-        a KV tile's SM time and one program's seconds per KV tile at the fitted rates and at the
-        tall-first rule's (:meth:`program_s`). Kept per shape table on this instance (``auto``
-        rates the same table every plan)."""
+        """float64 [S] five times, for launch shapes of query tile ``block_m`` by KV tile
+        ``block_n``: a KV tile's SM time and one program's seconds per KV tile at the fitted rates
+        and at the tall-first rule's (:meth:`program_s`), then the memory part of the first two
+        (the tile's bytes alone, which TMA speeds up). Kept per shape table on this instance
+        (``auto`` rates the same table every plan)."""
         d = heads.head_dim
         key = (d, _elem_bytes(heads), block_m.tobytes(), block_n.tobytes())
         rates = self.__dict__.setdefault("_tile_rates_of", {})  # (frozen dataclass: not a field)
         got = rates.get(key)
         if got is None:
             flops = np.where(block_m >= 64, self.sm_flops, self.sm_flops_small)
-            tile_sm_s = block_n * (d * 2 * key[1]) / self.sm_bandwidth + 4.0 * block_m * block_n * d / flops
-            got = rates[key] = (tile_sm_s, self.program_s(block_m, block_n, 1, heads),
-                                self.program_s(block_m, block_n, 1, heads, tall_first=True))
+            tile_bytes = block_n * (d * 2 * key[1])
+            mem_sm_s = tile_bytes / self.sm_bandwidth
+            got = rates[key] = (mem_sm_s + 4.0 * block_m * block_n * d / flops,
+                                self.program_s(block_m, block_n, 1, heads),
+                                self.program_s(block_m, block_n, 1, heads, tall_first=True),
+                                mem_sm_s, tile_bytes / self.program_bandwidth)
         return got
-
-    def _tile_memory(self, block_n: np.ndarray, heads: HeadConfig) -> tuple:
-        """float64 [S] twice: the memory part of a KV tile's SM time and of a lone program's
-        seconds per KV tile (:meth:`_tile_rates` without the tile's FLOPs)."""
-        tile_bytes = block_n * (heads.head_dim * 2 * _elem_bytes(heads))
-        return tile_bytes / self.sm_bandwidth, tile_bytes / self.program_bandwidth
 
     def _tma(self, runs: np.ndarray, slots: LaunchSlots, hkv: int) -> np.ndarray:
         """bool [G, S]: the launches the builder gives TMA wide tiles, of those unmasked over runs
