@@ -118,10 +118,6 @@ class Launch:
     ``tma`` (with ``contig``): the kernel loads the K/V of whole tiles through tensor
     descriptors (Hopper's TMA) where the caches' layout allows; see
     :func:`~treeattn.plan.addressing.tma_launches`.
-
-    ``programs`` (> 0): a persistent launch of at most that many programs, each looping over
-    the launch's units x KV heads, so that all of them are resident from the start and the
-    launch after it runs on what they leave of each SM.
     """
 
     block_m: int
@@ -136,7 +132,6 @@ class Launch:
     contig: bool = False
     split_tail: bool = False
     tma: bool = False
-    programs: int = 0
 
 
 @dataclass(frozen=True, eq=False)
