@@ -323,7 +323,7 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     update after a decode step whose new slots follow no node's last slot (the grown units gather),
     and every merge config of them, is a variant that ``precompile`` compiles: a serving loop that
     precompiled never waits for Triton's JIT."""
-    from treeattn.precompile import launch_configs
+    from treeattn.precompile import launch_configs, persists
     from treeattn.plan.merge import merge_config, merge_launches
     from treeattn.plan.update import update_plan
 
@@ -334,9 +334,9 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     counts[tree.query_nodes[tree.query_prefix == tree.lengths[tree.query_nodes]]] = 1
     top = int(tree.kv_indices.max()) + 2 if tree.num_tokens else 0
     grown = tree.append(counts, top + 2 * np.arange(counts.sum()))
-    for tma in (False, True):
+    for tma in (False, True):  # (a device with TMA, Hopper, runs the launches with PDL)
         known = set(launch_configs(heads, tma=tma))
-        cost = CostModel(tma=tma)
+        cost = CostModel(tma=tma, pdl=tma)
         for strategy in strategies:
             plan = make_plan(tree, heads, strategy=strategy, cost=cost)
             updated = update_plan(plan, grown)
@@ -344,6 +344,7 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
                 for ln in p.launches:
                     cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
                     assert cfg in known, (strategy, heads, ln)
+                    assert not ln.programs or persists(heads, cfg, pdl=tma), (strategy, heads, ln)
                 last = p.launches[0] if p.tall_first else p.launches[-1]
                 assert not p.merge_last or launch_merges(last.block_m, last.tma), (strategy, heads, last)
                 n = p.merge_q_indices.numel()

@@ -218,7 +218,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args, plan.merge_indptr, plan.merge_indices,
-            launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer, layer_stride, int(first),
+            launch.work_start, launch.work_end - launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer,
+            layer_stride, int(first),
             *strides)
         # (descriptors go through Triton's own path: it specialises them on more)
         kept = cache if descs is None else None
@@ -226,14 +227,19 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             return
         units = launch.work_end - launch.work_start
         merges = merge_last and i == last
-        grid = (units * h.num_kv_heads,) if launch.heads_inner else (units, h.num_kv_heads)
+        if launch.programs:
+            grid = (min(launch.programs, units * h.num_kv_heads),)
+        elif launch.heads_inner:
+            grid = (units * h.num_kv_heads,)
+        else:
+            grid = (units, h.num_kv_heads)
         kwargs = dict(
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
             WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
-            TMA=descs is not None, MERGE_ROWS=merges, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, num_warps=launch.num_warps, num_stages=launch.num_stages,
             **pdl_args)
         _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))
 

@@ -23,6 +23,8 @@ import torch
 
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.plan.addressing import (
+    PERSIST_MIN_GROUP,
+    PERSIST_ROWS,
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
     TILE_TALL_TMA,
@@ -32,7 +34,7 @@ from treeattn.plan.addressing import (
 from treeattn.plan.merge import launch_merges, merge_launches
 from treeattn.plan.plan import HeadConfig, Launch, launch_shapes
 
-__all__ = ["launch_configs", "precompile"]
+__all__ = ["launch_configs", "persists", "precompile"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +52,18 @@ def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
             + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
 
 
+def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
+    """Whether a launch of ``cfg`` (a :func:`launch_configs` entry) may run persistent
+    (:func:`~treeattn.plan.addressing.persistent_tall`, plans run with ``pdl``)."""
+    m, _, _, _, contig, tma = cfg
+    return pdl and heads.group >= PERSIST_MIN_GROUP and m >= PERSIST_ROWS and not contig and not tma
+
+
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
                tma: bool = False, merge_last: bool = True, workers: int = 0) -> int:
     """Launch every partial-attention variant a plan for ``heads`` can use (each of
     :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
-    order x mask split x split tail)
+    order x mask split x split tail; x persistent where :func:`persists`)
     and every merge variant once, on dummy data, so that Triton compiles them now rather than in
     the middle of serving (a first-seen shape stalls decoding for seconds).
     ``pdl``: the variants :func:`~treeattn.ops.partial_attention` and
@@ -96,15 +105,18 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
         # rows: to the merge, direct where final, or merging (a plan's last launch)
-        for (m, n, warps, stages, contig, tma_), rows, inner, split, tail in itertools.product(
+        for cfg, rows, inner, split, tail, persist in itertools.product(
                 launch_configs(heads, tma=tma), ("part", "direct", "merge"), (False, True), (False, True),
-                (False, True)):
+                (False, True), (False, True)):
+            m, n, warps, stages, contig, tma_ = cfg
             if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
-                    or (tma_ and not tail) or (rows == "merge" and not (merge_last and launch_merges(m, tma_))):
+                    or (tma_ and not tail) or (rows == "merge" and not (merge_last and launch_merges(m, tma_))) \
+                    or (persist and (rows == "merge" or not persists(heads, cfg, pdl=pdl))):
                 continue
             shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
                                                                 heads_inner=inner, mask_split=split,
-                                                                contig=contig, split_tail=tail, tma=tma_),),
+                                                                contig=contig, split_tail=tail, tma=tma_,
+                                                                programs=int(persist)),),
                                          num_direct=plan.num_direct if rows == "direct" else 0,
                                          merge_launch=0 if rows == "merge" else -1)
             yield lambda shaped=shaped, rows=rows, o_part=o_part, lse_part=lse_part, out=out: partial_attention(

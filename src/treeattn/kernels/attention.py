@@ -136,69 +136,21 @@ def _store_rows(O_part, LSE_part, Out, LSE_out, row_direct, rows, q_idx, head, r
     tl.store(LSE_part + rows * stride_pln + head, lse, mask=to_part)
 
 
-# work_offset (the launch's first work unit) takes any value: specialising on it (== 1, multiple
-# of 16) would compile new variants in the middle of decoding (pdl_first: two variants for one)
-@triton.jit(do_not_specialize=["work_offset", "pdl_first"])
-def _tree_partial_attention_kernel(
-    Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
+@triton.jit
+def _attend_unit(
+    work, kv_head, Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
     kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
-    tree_mask, query_pos, query_prefix, merge_indptr, merge_indices,
-    work_offset, num_kv_heads, qk_scale, kv_layer, stride_layer, pdl_first,
-    stride_qn, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_vp, stride_vs, stride_vh,
-    stride_pn, stride_ph, stride_pln,
-    stride_on, stride_oh, stride_ln,
+    tree_mask, query_pos, query_prefix, merge_indptr, merge_indices, qk_scale, layer_offset,
+    stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
-    SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr = False, TMA: tl.constexpr = False, MERGE_ROWS: tl.constexpr = False,
+    HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, CONTIG: tl.constexpr,
+    SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr,
 ):
-    """One program = one query tile of one work item, for one KV head.
-
-    The tile's rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head share
-    every K/V tile this program loads: each KV byte is read once per work item.
-
-    ``K`` and ``V`` are offset by ``kv_layer[0] * stride_layer`` elements (``stride_layer`` 0
-    when the caller passes one layer's caches).
-
-    With ``HAS_MASK``, the KV tiles wholly before the unit's ``work_mask_start`` (entries every
-    row sees) run without the tree mask, the others with it.
-
-    With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
-    they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
-    all have one row needs no merge launch.
-
-    With ``PDL`` (launched as a programmatic dependent launch, Hopper and later), the next
-    launch on the stream may start once every program of this one has started. A plan's first
-    launch (``pdl_first``) waits for its predecessor (which wrote ``Q`` and the caches) before
-    letting the next one start; the others read only what that predecessor's predecessors wrote,
-    so they run beside it, and their grid's last program waits for it before exiting: every
-    launch then finishes after the one before it (a grid ends only once all its programs have),
-    and the merge's wait covers them all.
-
-    With ``MERGE_ROWS`` (a plan's last launch, when each query with several partial rows has
-    exactly one in it: :attr:`~treeattn.plan.plan.Plan.merge_last`), every program merges its
-    rows' queries' other rows, written by the launches before it, and writes the outputs: the
-    plan needs no merge launch.
-    """
-    if PDL:
-        if pdl_first:
-            tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if HEADS_INNER:
-        # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
-        # rows (contiguous in the cache) at about the same time
-        work = tl.program_id(0) // num_kv_heads + work_offset
-        kv_head = tl.program_id(0) % num_kv_heads
-    else:
-        work = tl.program_id(0) + work_offset
-        kv_head = tl.program_id(1)
-    # the caches of layer kv_layer[0] (read on the device, so one CUDA graph serves every layer)
-    layer_offset = tl.load(kv_layer).to(tl.int64) * stride_layer
-    K += layer_offset
-    V += layer_offset
+    """One query tile of work unit ``work`` for KV head ``kv_head`` (K and V already offset to
+    the layer's caches): see :func:`_tree_partial_attention_kernel`."""
     kv_start = tl.load(work_kv_start + work)
     kv_end = tl.load(work_kv_end + work)
     # with CONTIG, entry n of the unit is slot slot_base + n
@@ -309,11 +261,108 @@ def _tree_partial_attention_kernel(
         _store_rows(O_part, LSE_part, Out, LSE_out, row_direct, rows, q_idx, head, row_valid, offs_d, d_valid, o,
                     lse, stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
                     DIRECT=DIRECT, WRITE_LSE=WRITE_LSE)
-        if PDL:
-            # finish after the launch before (see above). The grid's last program waiting is
-            # enough for that; the others leave their SM slots to the programs still queued
-            # rather than hold them until the launch before ends (a leaf launch beside a tall
-            # one: up to 1.2x, benchmarks/NOTES.md, session 35)
-            last = (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
-            if last:
-                tl.extra.cuda.gdc_wait()
+
+
+# work_offset (the launch's first work unit) and num_units take any value: specialising on them
+# (== 1, multiple of 16) would compile new variants in the middle of decoding (pdl_first: two
+# variants for one)
+@triton.jit(do_not_specialize=["work_offset", "num_units", "pdl_first"])
+def _tree_partial_attention_kernel(
+    Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
+    kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
+    tree_mask, query_pos, query_prefix, merge_indptr, merge_indices,
+    work_offset, num_units, num_kv_heads, qk_scale, kv_layer, stride_layer, pdl_first,
+    stride_qn, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_pn, stride_ph, stride_pln,
+    stride_on, stride_oh, stride_ln,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
+    SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False, TMA: tl.constexpr = False, MERGE_ROWS: tl.constexpr = False,
+    PERSIST: tl.constexpr = False,
+):
+    """One program = one query tile of one work item, for one KV head.
+
+    The tile's rows are (query, head-in-group) pairs, so the GQA heads sharing a KV head share
+    every K/V tile this program loads: each KV byte is read once per work item.
+
+    ``K`` and ``V`` are offset by ``kv_layer[0] * stride_layer`` elements (``stride_layer`` 0
+    when the caller passes one layer's caches).
+
+    With ``HAS_MASK``, the KV tiles wholly before the unit's ``work_mask_start`` (entries every
+    row sees) run without the tree mask, the others with it.
+
+    With ``DIRECT``, rows flagged in ``row_direct`` (their query's only partial row) are final:
+    they go straight to ``Out`` (and ``LSE_out`` with ``WRITE_LSE``), so a plan whose queries
+    all have one row needs no merge launch.
+
+    With ``PDL`` (launched as a programmatic dependent launch, Hopper and later), the next
+    launch on the stream may start once every program of this one has started. A plan's first
+    launch (``pdl_first``) waits for its predecessor (which wrote ``Q`` and the caches) before
+    letting the next one start; the others read only what that predecessor's predecessors wrote,
+    so they run beside it, and their grid's last program waits for it before exiting: every
+    launch then finishes after the one before it (a grid ends only once all its programs have),
+    and the merge's wait covers them all.
+
+    With ``MERGE_ROWS`` (a plan's last launch, when each query with several partial rows has
+    exactly one in it: :attr:`~treeattn.plan.plan.Plan.merge_last`), every program merges its
+    rows' queries' other rows, written by the launches before it, and writes the outputs: the
+    plan needs no merge launch.
+
+    With ``PERSIST``, the grid is 1-D and each program runs the launch's ``num_units`` units x
+    KV heads in a grid-stride loop (in the order of the 2-D or ``HEADS_INNER`` grid): a launch
+    of fewer programs than units, all started at once, so the launch after it gets the rest of
+    every SM from the start (:func:`~treeattn.plan.addressing.persistent_tall`).
+    """
+    if PDL:
+        if pdl_first:
+            tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    # the caches of layer kv_layer[0] (read on the device, so one CUDA graph serves every layer)
+    layer_offset = tl.load(kv_layer).to(tl.int64) * stride_layer
+    K += layer_offset
+    V += layer_offset
+    if PERSIST:
+        for t in range(tl.program_id(0), num_units * num_kv_heads, tl.num_programs(0)):
+            if HEADS_INNER:
+                work = t // num_kv_heads + work_offset
+                kv_head = t % num_kv_heads
+            else:
+                work = t % num_units + work_offset
+                kv_head = t // num_units
+            _attend_unit(
+                work, kv_head, Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
+                kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
+                tree_mask, query_pos, query_prefix, merge_indptr, merge_indices, qk_scale, layer_offset,
+                stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
+                GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
+                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS)
+    else:
+        if HEADS_INNER:
+            # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
+            # rows (contiguous in the cache) at about the same time
+            work = tl.program_id(0) // num_kv_heads + work_offset
+            kv_head = tl.program_id(0) % num_kv_heads
+        else:
+            work = tl.program_id(0) + work_offset
+            kv_head = tl.program_id(1)
+        _attend_unit(
+            work, kv_head, Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
+            kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
+            tree_mask, query_pos, query_prefix, merge_indptr, merge_indices, qk_scale, layer_offset,
+            stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
+            GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
+            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS)
+    if PDL and not MERGE_ROWS:
+        # finish after the launch before (see above; MERGE_ROWS waited before its fold). The
+        # grid's last program waiting is enough for that; the others leave their SM slots to the
+        # programs still queued rather than hold them until the launch before ends (a leaf launch
+        # beside a tall one: up to 1.2x, benchmarks/NOTES.md, session 35)
+        last = (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
+        if last:
+            tl.extra.cuda.gdc_wait()

@@ -3,7 +3,8 @@ of consecutive slots, and which launches of a plan compute their K/V addresses (
 tile) instead of loading them from the slot list; gathered launches of many 32-row programs run
 two warps a program; tall launches over whole tiles take the select-free softmax step
 (:attr:`~treeattn.plan.plan.Launch.split_tail`), and over long runs tensor-descriptor loads
-(:attr:`~treeattn.plan.plan.Launch.tma`)."""
+(:attr:`~treeattn.plan.plan.Launch.tma`); a gathered tall launch beside a large leaf launch runs
+persistent (:attr:`~treeattn.plan.plan.Launch.programs`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import numpy as np
 from treeattn.topology import slot_breaks
 
 __all__ = ["DEEP_PIPELINE_MIN_TOKENS", "TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
-           "runs_between", "split_tails", "tall_tile", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
+           "persistent_tall", "runs_between", "split_tails", "tall_tile", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
@@ -40,6 +41,13 @@ DEEP_PIPELINE_MIN_TOKENS = 1024
 #: units ends in a partial KV tile, or when their units average SPLIT_TAIL_TILES tiles or more
 SPLIT_TAIL_ROWS = 64
 SPLIT_TAIL_TILES = 32
+#: A plan's one gathered launch of query tiles of at least PERSIST_ROWS rows runs persistent, one
+#: program a SM, when it has more programs than SMs, the launches of shorter tiles read
+#: PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or more and the GQA
+#: group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
+PERSIST_ROWS = 64
+PERSIST_MIN_LEAF_RATIO = 2.0
+PERSIST_MIN_GROUP = 4
 
 
 def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
@@ -230,3 +238,40 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
             tall = bool(not (length % ln.block_n).any() or length.mean() >= SPLIT_TAIL_TILES * ln.block_n)
         out.append(dataclasses.replace(ln, split_tail=tall) if tall != ln.split_tail else ln)
     return tuple(out)
+
+
+def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, num_kv_heads: int,
+                    num_sms: int, *, group: int) -> tuple:
+    """``launches`` (run tallest first, in order on one stream with PDL) with their one gathered
+    launch of tall query tiles persistent over one program a SM (:attr:`Launch.programs`) where
+    it has more programs than SMs, the launches of shorter tiles read
+    :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled to 128-row tiles) or more, and
+    the GQA ``group`` is :data:`PERSIST_MIN_GROUP` or more (where tall tiles are compute-bound;
+    without GQA these plans run at their HBM roofline, and the rule was not measured there).
+
+    A launch's programs start only once every program of the launch before it has: a tall
+    launch of two waves keeps the leaf programs out until its last wave, and the plan costs
+    about the sum of a compute-bound and a memory-bound launch. Persistent, it starts whole, and
+    the leaf programs run beside it on what it leaves of each SM, at the cost of half the tall
+    launch's own rate. On an H200 (benchmarks/NOTES.md, session 35; with the merge launch where
+    the plan would fold, as the fold makes every leaf program wait for the tall launch): the
+    gathered 128-row launches at 64/8 of ``1,8,512_512,512,256``, ``1,8,512_32,512,256`` and
+    the deep ``paths`` tree 1.02-1.06x, the deep tree's 64-row one at 32/8 1.03x; tall-heavy
+    plans lose (``1,4,16,512_1024,256,128,32`` at 64/8, leaves 0.36 of the tall launch's KV:
+    0.89x), and so do TMA tall launches (one program fills an SM: 0.89-0.96x) and launches
+    already within one wave (0.95-0.99x)."""
+    tall = [i for i, ln in enumerate(launches) if ln.block_m >= PERSIST_ROWS]
+    if len(tall) != 1 or len(launches) < 2 or group < PERSIST_MIN_GROUP:
+        return tuple(launches)
+    i = tall[0]
+    ln = launches[i]
+    if ln.contig or ln.tma or (ln.work_end - ln.work_start) * num_kv_heads <= num_sms:
+        return tuple(launches)
+
+    def entries(x) -> int:
+        return int((work_kv_end[x.work_start: x.work_end] - work_kv_start[x.work_start: x.work_end]).sum())
+
+    leaf = sum(entries(x) for x in launches if x.block_m < PERSIST_ROWS)
+    if leaf < PERSIST_MIN_LEAF_RATIO * entries(ln) * ln.block_m / TALL_CONTIG_ROWS:
+        return tuple(launches)
+    return tuple(launches[:i]) + (dataclasses.replace(ln, programs=num_sms),) + tuple(launches[i + 1:])

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.addressing import contig_launches, runs_between, split_tails, tma_launches, tma_loads
+from treeattn.plan.addressing import (
+    contig_launches,
+    persistent_tall,
+    runs_between,
+    split_tails,
+    tma_launches,
+    tma_loads,
+)
 from treeattn.plan.cost import CostModel
 from treeattn.plan.items import WorkItems, _indptr, group_order
 from treeattn.plan.merge import merge_launch
@@ -350,6 +357,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms)
     launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     tall_first = cost.tall_first(longest_s)
+    if tall_first and cost.pdl:
+        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms,
+                                   group=heads.group)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(item_bound[-1])
@@ -390,8 +400,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         tree_mask=t["tree_mask"], query_pos=t["query_pos"], query_prefix=t["query_prefix"],
         launches=tuple(launches), io=io, num_items=n_items, reason=reason,
         candidates=candidates, tall_first=tall_first,
+        # (a persistent tall launch runs beside the leaf launch, whose fold would wait for it)
         merge_launch=merge_launch(launches, tall_first, work_row_indptr, row_q, q_rows)
-        if cost.merges_last(heads) else -1,
+        if cost.merges_last(heads) and not any(ln.programs for ln in launches) else -1,
         host=PlanHost(kv_slots=h["kv_indices"], tail_pos=tail.astype(np.int32),
                       tail_node=tail_node, untailed=_untailed(tail_node, tree.num_nodes), seg_len=seg_mask[0], seg_rec=seg_mask[1],
                       tail_seg=seg_mask[2],

@@ -118,6 +118,10 @@ class Launch:
     ``tma`` (with ``contig``): the kernel loads the K/V of whole tiles through tensor
     descriptors (Hopper's TMA) where the caches' layout allows; see
     :func:`~treeattn.plan.addressing.tma_launches`.
+
+    ``programs`` (> 0): a persistent launch of at most that many programs, each looping over
+    the launch's units x KV heads, so that all of them start at once and the launch after it
+    runs beside them (:func:`~treeattn.plan.addressing.persistent_tall`).
     """
 
     block_m: int
@@ -132,6 +136,7 @@ class Launch:
     contig: bool = False
     split_tail: bool = False
     tma: bool = False
+    programs: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -345,7 +350,10 @@ class Plan:
         addressing = "TMA" if ln.tma else "computed addresses" if ln.contig else "gathered slots"
         flags = [name for name, on in (("masked", ln.masked and self.has_mask), ("split tail", ln.split_tail),
                                        ("heads inner", ln.heads_inner)) if on]
-        return (f"{(ln.work_end - ln.work_start) * self.heads.num_kv_heads} programs of {ln.block_m}-row x "
+        tiles = (ln.work_end - ln.work_start) * self.heads.num_kv_heads
+        programs = f"{tiles} programs" if not ln.programs else \
+            f"{tiles} tiles in {min(ln.programs, tiles)} persistent programs"
+        return (f"{programs} of {ln.block_m}-row x "
                 f"{ln.block_n}-token tiles, {ln.num_warps} warps, {ln.num_stages} stages, {addressing}"
                 + "".join(f", {f}" for f in flags))
 

@@ -93,8 +93,12 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
 
 def _with_hints(launch, now):
     """``launch`` with the patched plan's ``split_tail`` hint (kept, not re-checked: grown units may
-    end in a partial tile, which the kernel runs after the loop) and, where it still reads runs,
-    its TMA tile (grown units are no shorter: :func:`~treeattn.plan.addressing.tma_launches`)."""
+    end in a partial tile, which the kernel runs after the loop), its persistence where it still
+    gathers (:func:`~treeattn.plan.addressing.persistent_tall`: grown leaves only add to the leaf
+    launches) and, where it still reads runs, its TMA tile (grown units are no shorter:
+    :func:`~treeattn.plan.addressing.tma_launches`)."""
+    if now.programs and not launch.contig:
+        launch = _replace(launch, programs=now.programs)
     if now.tma and launch.contig:
         return _replace(launch, block_n=now.block_n, num_warps=now.num_warps, num_stages=now.num_stages,
                         split_tail=True, tma=True)

@@ -1,0 +1,96 @@
+"""Persistent launches (``Launch.programs``): fewer programs than units x KV heads, each looping
+over them in the grid's order, give the reference output for every planner, with and without a
+tree mask, the heads-inner grid and the last launch's merge; and the rule that plans them
+(:func:`~treeattn.plan.addressing.persistent_tall`)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOL, random_tree, rel_l2
+
+from treeattn import HeadConfig, TreeAttention
+from treeattn.plan import make_plan
+from treeattn.plan.addressing import PERSIST_MIN_GROUP, PERSIST_MIN_LEAF_RATIO, persistent_tall
+from treeattn.plan.cost import CostModel
+from treeattn.plan.plan import Launch
+from treeattn.reference import reference_attention
+from treeattn.workloads import tree_from_spec
+
+
+def persistent(plan, programs: int):
+    """``plan`` with every launch persistent over at most ``programs`` programs."""
+    return dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, programs=programs)
+                                                    for ln in plan.launches))
+
+
+@pytest.mark.parametrize("strategy", ["node", "paths", "greedy", "flatten"])
+@pytest.mark.parametrize("inner", [False, True])
+def test_persistent_launches_match_reference(rng, device, strategy, inner):
+    tree = random_tree(rng, 14, 70, inner_queries=inner)
+    attn = TreeAttention(device=device, backend="triton")
+    plan = attn.plan(tree, num_qo_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy=strategy)
+    q = torch.randn(tree.num_queries, 6, 32, dtype=torch.float64)
+    k = torch.randn(int(tree.kv_indices.max()) + 1, 1, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    ref = reference_attention(q, k, v, tree)[0]
+    args = [t.float().to(device) for t in (q, k, v)]
+    for programs in (1, 3):
+        assert rel_l2(attn.run(*args, persistent(plan, programs)), ref) <= TOL[torch.float32]
+    # heads-inner grids loop in their own order
+    inner_plan = dataclasses.replace(plan, launches=tuple(dataclasses.replace(ln, heads_inner=True, programs=5)
+                                                          for ln in plan.launches))
+    assert rel_l2(attn.run(*args, inner_plan), ref) <= TOL[torch.float32]
+
+
+def test_persistent_last_launch_merges(rng, device):
+    """A persistent last launch folds its queries' other rows (``merge_last``) unit by unit."""
+    tree = tree_from_spec("1,3_600,5")
+    attn = TreeAttention(device=device, backend="triton", streams=0,
+                         cost=CostModel(side_streams=True, tall_first_s=0.0, merge_last_min_group=1))
+    plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy="node")
+    assert plan.merge_last and len(plan.launches) > 1
+    q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
+    k = torch.randn(tree.num_tokens, 1, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    ref = reference_attention(q, k, v, tree)[0]
+    out = attn.run(*[t.float().to(device) for t in (q, k, v)], persistent(plan, 2))
+    assert rel_l2(out, ref) <= TOL[torch.float32]
+
+
+def test_persistent_tall_rule():
+    """One gathered tall launch of more programs than SMs beside leaf launches that read at least
+    PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles), at a GQA group of PERSIST_MIN_GROUP or
+    more, runs one program a SM; nothing else does."""
+    start = np.zeros(6, dtype=np.int64)
+    end = np.array([400, 400, 400, 400, 100, 100])  # leaf units 0-3 (1600 entries), tall 4-5 (200)
+    leaf, tall = Launch(16, 64, 0, 4), Launch(128, 32, 4, 6, 4, 7)
+    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8)
+    assert rule((leaf, tall), num_sms=4, group=8) == (leaf, dataclasses.replace(tall, programs=4))
+    assert rule((leaf, tall), num_sms=16, group=8) == (leaf, tall)  # within one wave
+    assert rule((leaf, tall), num_sms=4, group=PERSIST_MIN_GROUP - 1) == (leaf, tall)
+    for other in (dataclasses.replace(tall, contig=True), dataclasses.replace(tall, contig=True, tma=True)):
+        assert rule((leaf, other), num_sms=4, group=8) == (leaf, other)
+    two = (leaf, Launch(64, 64, 4, 5), Launch(128, 32, 5, 6))
+    assert rule(two, num_sms=1, group=8) == two  # two tall launches would share the SMs
+    # the leaves must read PERSIST_MIN_LEAF_RATIO times the tall launch's entries (64-row tiles count half)
+    short = end.copy()
+    short[:4] = PERSIST_MIN_LEAF_RATIO * 200 / 4 - 1
+    assert rule((leaf, tall), work_kv_end=short, num_sms=4, group=8) == (leaf, tall)
+    half = dataclasses.replace(tall, block_m=64)
+    assert rule((leaf, half), work_kv_end=short, num_sms=4, group=8)[1].programs == 4
+
+
+def test_plans_run_their_tall_launch_persistent_only_with_pdl():
+    """The builder applies the rule to tall-first plans run with PDL, and their last launch then
+    does not fold (its programs would wait for the tall launch)."""
+    tree = tree_from_spec("1,8,512_512,512,256")
+    heads = HeadConfig(64, 8, 128, torch.float16)
+    plan = make_plan(tree, heads, strategy="greedy", cost=CostModel(tma=True, pdl=True))
+    assert plan.tall_first and [ln.programs for ln in plan.launches] == [0, CostModel().num_sms]
+    assert plan.merge_launch == -1 and "persistent programs" in plan.explain()
+    side = make_plan(tree, heads, strategy="greedy", cost=CostModel(tma=True))
+    assert not any(ln.programs for ln in side.launches)
