@@ -62,15 +62,16 @@ def test_persistent_last_launch_merges(rng, device):
 
 
 def test_persistent_tall_rule():
-    """One gathered tall launch of more programs than SMs beside leaf launches that read at least
-    PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles), at a GQA group of PERSIST_MIN_GROUP or
-    more, runs one program a SM; nothing else does."""
+    """One gathered tall launch of PERSIST_MIN_WAVES waves of programs or more beside leaf
+    launches that read at least PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles), at a GQA
+    group of PERSIST_MIN_GROUP or more, runs one program a SM; nothing else does."""
     start = np.zeros(6, dtype=np.int64)
     end = np.array([400, 400, 400, 400, 100, 100])  # leaf units 0-3 (1600 entries), tall 4-5 (200)
     leaf, tall = Launch(16, 64, 0, 4), Launch(128, 32, 4, 6, 4, 7)
     rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8)
     assert rule((leaf, tall), num_sms=4, group=8) == (leaf, dataclasses.replace(tall, programs=4))
-    assert rule((leaf, tall), num_sms=16, group=8) == (leaf, tall)  # within one wave
+    assert rule((leaf, tall), num_sms=11, group=8) == (leaf, tall)  # 16 programs: under PERSIST_MIN_WAVES
+    assert rule((leaf, tall), num_sms=10, group=8)[1].programs == 10
     assert rule((leaf, tall), num_sms=4, group=PERSIST_MIN_GROUP - 1) == (leaf, tall)
     for other in (dataclasses.replace(tall, contig=True), dataclasses.replace(tall, contig=True, tma=True)):
         assert rule((leaf, other), num_sms=4, group=8) == (leaf, other)

@@ -13,8 +13,9 @@ import numpy as np
 
 from treeattn.topology import slot_breaks
 
-__all__ = ["DEEP_PIPELINE_MIN_TOKENS", "TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs", "contig_launches", "gathered_configs",
-           "persistent_tall", "runs_between", "split_tails", "tall_tile", "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
+__all__ = ["DEEP_PIPELINE_MIN_TOKENS", "TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs",
+           "contig_launches", "gathered_configs", "persistent_tall", "runs_between", "split_tails", "tall_tile",
+           "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
 #: TALL_CONTIG_WAVES waves of programs (the largest measured; :func:`contig_launches`)
@@ -42,10 +43,11 @@ DEEP_PIPELINE_MIN_TOKENS = 1024
 SPLIT_TAIL_ROWS = 64
 SPLIT_TAIL_TILES = 32
 #: A plan's one gathered launch of query tiles of at least PERSIST_ROWS rows runs persistent, one
-#: program a SM, when it has more programs than SMs, the launches of shorter tiles read
-#: PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or more and the GQA
-#: group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
+#: program a SM, when it has PERSIST_MIN_WAVES x SMs programs or more, the launches of shorter
+#: tiles read PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or more and
+#: the GQA group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
 PERSIST_ROWS = 64
+PERSIST_MIN_WAVES = 1.5
 PERSIST_MIN_LEAF_RATIO = 2.0
 PERSIST_MIN_GROUP = 4
 
@@ -244,7 +246,8 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
                     num_sms: int, *, group: int) -> tuple:
     """``launches`` (run tallest first, in order on one stream with PDL) with their one gathered
     launch of tall query tiles persistent over one program a SM (:attr:`Launch.programs`) where
-    it has more programs than SMs, the launches of shorter tiles read
+    it has :data:`PERSIST_MIN_WAVES` waves of programs or more (measured at 1.9-3.9), the
+    launches of shorter tiles read
     :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled to 128-row tiles) or more, and
     the GQA ``group`` is :data:`PERSIST_MIN_GROUP` or more (where tall tiles are compute-bound;
     without GQA these plans run at their HBM roofline, and the rule was not measured there).
@@ -265,7 +268,7 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
         return tuple(launches)
     i = tall[0]
     ln = launches[i]
-    if ln.contig or ln.tma or (ln.work_end - ln.work_start) * num_kv_heads <= num_sms:
+    if ln.contig or ln.tma or (ln.work_end - ln.work_start) * num_kv_heads < PERSIST_MIN_WAVES * num_sms:
         return tuple(launches)
 
     def entries(x) -> int:
