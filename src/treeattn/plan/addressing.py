@@ -247,10 +247,10 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     """``launches`` (run tallest first, in order on one stream with PDL) with their one gathered
     launch of tall query tiles persistent over one program a SM (:attr:`Launch.programs`) where
     it has :data:`PERSIST_MIN_WAVES` waves of programs or more (measured at 1.9-3.9), the
-    launches of shorter tiles read
-    :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled to 128-row tiles) or more, and
-    the GQA ``group`` is :data:`PERSIST_MIN_GROUP` or more (where tall tiles are compute-bound;
-    without GQA these plans run at their HBM roofline, and the rule was not measured there).
+    launches of shorter tiles read :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled
+    to 128-row tiles) or more, and the GQA ``group`` is :data:`PERSIST_MIN_GROUP` or more (where
+    tall tiles are compute-bound; without GQA these plans run at their HBM roofline, and the
+    rule was not measured there).
 
     A launch's programs start only once every program of the launch before it has: a tall
     launch of two waves keeps the leaf programs out until its last wave, and the plan costs
