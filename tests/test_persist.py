@@ -95,3 +95,21 @@ def test_plans_run_their_tall_launch_persistent_only_with_pdl():
     assert plan.merge_launch == -1 and "persistent programs" in plan.explain()
     side = make_plan(tree, heads, strategy="greedy", cost=CostModel(tma=True))
     assert not any(ln.programs for ln in side.launches)
+
+
+def test_lazy_update_keeps_the_persistent_launch(rng):
+    """The lazy update of a plan with a persistent tall launch keeps it persistent (grown leaves only
+    add to the leaf launch), as a fresh plan of the grown tree would, and still does not fold."""
+    from treeattn.plan.update import update_plan
+
+    tree = tree_from_spec("1,8,512_512,512,256")
+    heads = HeadConfig(64, 8, 128, torch.float16)
+    cost = CostModel(tma=True, pdl=True)
+    plan = make_plan(tree, heads, strategy="greedy", cost=cost)
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
+    counts[tree.query_nodes] = 1
+    grown = tree.append(counts, int(tree.kv_indices.max()) + 1 + rng.permutation(tree.num_queries))
+    updated = update_plan(plan, grown)
+    fresh = make_plan(grown, heads, strategy="greedy", cost=cost)
+    assert updated is not None and updated.merge_launch == fresh.merge_launch == -1
+    assert [ln.programs for ln in updated.launches] == [ln.programs for ln in fresh.launches] == [0, cost.num_sms]
