@@ -23,13 +23,12 @@ import torch
 
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.plan.addressing import (
-    PERSIST_MIN_GROUP,
-    PERSIST_ROWS,
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
     TILE_TALL_TMA,
     contig_configs,
     gathered_configs,
+    may_persist,
 )
 from treeattn.plan.merge import launch_merges, merge_launches
 from treeattn.plan.plan import HeadConfig, Launch, launch_shapes
@@ -56,7 +55,7 @@ def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
     """Whether a launch of ``cfg`` (a :func:`launch_configs` entry) may run persistent
     (:func:`~treeattn.plan.addressing.persistent_tall`, plans run with ``pdl``)."""
     m, _, _, _, contig, tma = cfg
-    return pdl and heads.group >= PERSIST_MIN_GROUP and m >= PERSIST_ROWS and not contig and not tma
+    return pdl and may_persist(m, contig=contig, tma=tma, group=heads.group)
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,

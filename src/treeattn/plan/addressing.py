@@ -14,7 +14,7 @@ import numpy as np
 from treeattn.topology import slot_breaks
 
 __all__ = ["DEEP_PIPELINE_MIN_TOKENS", "TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs",
-           "contig_launches", "gathered_configs", "persistent_tall", "runs_between", "split_tails", "tall_tile",
+           "contig_launches", "gathered_configs", "may_persist", "persistent_tall", "runs_between", "split_tails", "tall_tile",
            "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
@@ -242,6 +242,13 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
     return tuple(out)
 
 
+def may_persist(block_m: int, *, contig: bool, tma: bool, group: int) -> bool:
+    """A launch of this query tile and addressing, in a plan of this GQA ``group``, is one that
+    :func:`persistent_tall` may make persistent (what :func:`treeattn.precompile.precompile`
+    compiles so)."""
+    return group >= PERSIST_MIN_GROUP and block_m >= PERSIST_ROWS and not contig and not tma
+
+
 def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, num_kv_heads: int,
                     num_sms: int, *, group: int) -> tuple:
     """``launches`` (run tallest first, in order on one stream with PDL) with their one gathered
@@ -264,11 +271,12 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     0.89x), and so do TMA tall launches (one program fills an SM: 0.89-0.96x) and launches
     already within one wave (0.95-0.99x)."""
     tall = [i for i, ln in enumerate(launches) if ln.block_m >= PERSIST_ROWS]
-    if len(tall) != 1 or len(launches) < 2 or group < PERSIST_MIN_GROUP:
+    if len(tall) != 1 or len(launches) < 2:
         return tuple(launches)
     i = tall[0]
     ln = launches[i]
-    if ln.contig or ln.tma or (ln.work_end - ln.work_start) * num_kv_heads < PERSIST_MIN_WAVES * num_sms:
+    if (not may_persist(ln.block_m, contig=ln.contig, tma=ln.tma, group=group)
+            or (ln.work_end - ln.work_start) * num_kv_heads < PERSIST_MIN_WAVES * num_sms):
         return tuple(launches)
 
     def entries(x) -> int:
