@@ -14,10 +14,18 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.addressing import PERSIST_MIN_GROUP, PERSIST_MIN_LEAF_RATIO, persistent_tall
+from treeattn.plan.addressing import (
+    BESIDE_MIN_GROUP,
+    PERSIST_MIN_GROUP,
+    PERSIST_MIN_LEAF_RATIO,
+    TILE_BESIDE,
+    TILE_TALL_GATHERED,
+    persistent_tall,
+)
 from treeattn.plan.cost import CostModel
 from treeattn.plan.plan import Launch
 from treeattn.reference import reference_attention
+from treeattn.tree import DecodingTree
 from treeattn.workloads import tree_from_spec
 
 
@@ -68,7 +76,7 @@ def test_persistent_tall_rule():
     start = np.zeros(6, dtype=np.int64)
     end = np.array([400, 400, 400, 400, 100, 100])  # leaf units 0-3 (1600 entries), tall 4-5 (200)
     leaf, tall = Launch(16, 64, 0, 4), Launch(128, 32, 4, 6, 4, 7)
-    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8)
+    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, elem_bytes=2)
     assert rule((leaf, tall), num_sms=4, group=8) == (leaf, dataclasses.replace(tall, programs=4))
     assert rule((leaf, tall), num_sms=11, group=8) == (leaf, tall)  # 16 programs: under PERSIST_MIN_WAVES
     assert rule((leaf, tall), num_sms=10, group=8)[1].programs == 10
@@ -83,6 +91,72 @@ def test_persistent_tall_rule():
     assert rule((leaf, tall), work_kv_end=short, num_sms=4, group=8) == (leaf, tall)
     half = dataclasses.replace(tall, block_m=64)
     assert rule((leaf, half), work_kv_end=short, num_sms=4, group=8)[1].programs == 4
+
+
+def tile(ln) -> tuple:
+    return ln.block_n, ln.num_warps, ln.num_stages
+
+
+def test_persistent_tile_and_the_launches_beside_it():
+    """The persistent launch takes TILE_TALL_GATHERED wherever a 128-row one would (16-bit caches,
+    64-token tiles planned), any query tile; beside it, at GQA groups of BESIDE_MIN_GROUP or more,
+    the shorter tiles' launches that compute their addresses over 64-token tiles take TILE_BESIDE."""
+    start = np.zeros(6, dtype=np.int64)
+    end = np.array([400, 400, 400, 400, 100, 100])
+    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, num_sms=4)
+    tall = Launch(64, 64, 4, 6, 4, 3)
+    leaf = Launch(16, 64, 0, 2, 4, 2, contig=True)
+    gathered, short = Launch(16, 64, 2, 3, 4, 2), Launch(32, 32, 3, 4, 4, 2, contig=True)
+    out = rule((leaf, gathered, short, tall), group=BESIDE_MIN_GROUP, elem_bytes=2)
+    assert out[3].programs == 4 and tile(out[3]) == TILE_TALL_GATHERED
+    assert tile(out[0]) == TILE_BESIDE and out[1:3] == (gathered, short)
+    out = rule((leaf, tall), group=BESIDE_MIN_GROUP - 1, elem_bytes=2)
+    assert out[1].programs == 4 and out[0] == leaf
+    out = rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=4)  # fp32: seven stages would not fit
+    assert out[1] == dataclasses.replace(tall, programs=4) and tile(out[0]) == TILE_BESIDE
+    # no persistent launch, no change beside
+    assert rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=2, num_sms=22) == (leaf, tall)  # 32 programs
+
+
+def gapped_tree() -> DecodingTree:
+    """A root of 40 tokens, two nodes of 60 under it and eight leaves of 100 under each; every
+    leaf's slots are followed by 8 free ones."""
+    parents = [-1, 0, 0] + [1] * 8 + [2] * 8
+    lengths = [40, 60, 60] + [100] * 16
+    starts = np.cumsum([0] + [n + 8 * (i >= 3) for i, n in enumerate(lengths)])
+    kv = np.concatenate([s + np.arange(n) for s, n in zip(starts, lengths)])
+    return DecodingTree.from_parents(parents, lengths, query_nodes=list(range(3, 19)), kv_indices=kv,
+                                     page_size=1, num_slots=int(starts[-1]) + 64)
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_plan_beside_a_persistent_launch_matches_reference_and_updates(rng, device, follow):
+    """A plan with a persistent 64-row launch at its persistent tile and 16-row leaves beside it at
+    TILE_BESIDE gives the reference output; its lazy update after a step keeps both tiles where a
+    fresh plan of the grown tree has them (new slots that follow the leaves' keep them contig)."""
+    tree = gapped_tree()
+    cost = CostModel(tma=False, pdl=True, num_sms=2, tall_first_s=0.0)
+    attn = TreeAttention(device=device, backend="triton", streams=0, cost=cost)
+    plan = attn.plan(tree, num_qo_heads=16, num_kv_heads=2, head_dim=32, dtype=torch.float16, strategy="greedy")
+    assert [(ln.block_m, tile(ln), ln.programs) for ln in plan.launches] == [
+        (16, TILE_BESIDE, 0), (64, TILE_TALL_GATHERED, 2)]
+    last = tree.kv_indices[tree.kv_indptr[tree.query_nodes + 1] - 1]
+    new = last + 1 if follow else int(tree.kv_indices.max()) + 1 + rng.permutation(tree.num_queries)
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
+    counts[tree.query_nodes] = 1
+    grown = tree.append(counts, new)
+    updated = attn.update(plan, grown)
+    fresh = attn.plan(grown, num_qo_heads=16, num_kv_heads=2, head_dim=32, dtype=torch.float16, strategy="greedy")
+    assert updated is not None and updated.launches == fresh.launches
+    assert updated.launches[0].contig == follow and (tile(updated.launches[0]) == TILE_BESIDE) == follow
+    num_slots = int(grown.kv_indices.max()) + 1
+    q = torch.randn(tree.num_queries, 16, 32, dtype=torch.float64)
+    k = torch.randn(num_slots, 1, 2, 32, dtype=torch.float64)
+    v = torch.randn_like(k)
+    args = [t.half().to(device) for t in (q, k, v)]
+    for t, p in ((tree, plan), (grown, updated)):
+        ref = reference_attention(q, k, v, t)[0]
+        assert rel_l2(attn.run(*args, p), ref) <= TOL[torch.float16]
 
 
 def test_plans_run_their_tall_launch_persistent_only_with_pdl():
@@ -113,3 +187,4 @@ def test_lazy_update_keeps_the_persistent_launch(rng):
     fresh = make_plan(grown, heads, strategy="greedy", cost=cost)
     assert updated is not None and updated.merge_launch == fresh.merge_launch == -1
     assert [ln.programs for ln in updated.launches] == [ln.programs for ln in fresh.launches] == [0, cost.num_sms]
+    assert updated.launches == fresh.launches

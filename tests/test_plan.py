@@ -335,7 +335,7 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     top = int(tree.kv_indices.max()) + 2 if tree.num_tokens else 0
     grown = tree.append(counts, top + 2 * np.arange(counts.sum()))
     for tma in (False, True):  # (a device with TMA, Hopper, runs the launches with PDL)
-        known = set(launch_configs(heads, tma=tma))
+        known = set(launch_configs(heads, tma=tma, pdl=tma))
         cost = CostModel(tma=tma, pdl=tma)
         for strategy in strategies:
             plan = make_plan(tree, heads, strategy=strategy, cost=cost)

@@ -23,12 +23,15 @@ import torch
 
 from treeattn.ops import merge_partials, partial_attention
 from treeattn.plan.addressing import (
+    BESIDE_MIN_GROUP,
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
     TILE_TALL_TMA,
+    beside_configs,
     contig_configs,
     gathered_configs,
     may_persist,
+    persistent_tile,
 )
 from treeattn.plan.merge import launch_merges, merge_launches
 from treeattn.plan.plan import HeadConfig, Launch, launch_shapes
@@ -38,24 +41,37 @@ __all__ = ["launch_configs", "persists", "precompile"]
 log = logging.getLogger(__name__)
 
 
-def launch_configs(heads: HeadConfig, *, tma: bool = False) -> list:
+def launch_configs(heads: HeadConfig, *, tma: bool = False, pdl: bool = False) -> list:
     """Every ``(block_m, block_n, num_warps, num_stages, contig, tma)`` an attention launch of a
     plan for ``heads`` can have (``tma``: plans may take
-    :func:`~treeattn.plan.addressing.tma_launches`): each planned shape gathering its slots or
-    computing them, as :mod:`treeattn.plan.addressing` configures each (contig launches may run
-    one pipeline stage less, tall ones another tile, through tensor descriptors with ``tma``;
-    gathered 32-row ones two warps, gathered tall ones their own tile)."""
-    return [cfg for shape in launch_shapes(heads)
-            for cfg in [(shape[0], *c, False, False) for c in gathered_configs(*shape, elem_bytes=heads.elem_bytes)]
-            + [(shape[0], *c, True, False) for c in contig_configs(*shape)]
-            + [(shape[0], *TILE_TALL_TMA, True, True)] * (tma and shape[0] >= TALL_CONTIG_ROWS and shape[1] >= 64)]
+    :func:`~treeattn.plan.addressing.tma_launches`; ``pdl``: plans run with PDL, whose tall
+    launches may run persistent): each planned shape gathering its slots or computing them, as
+    :mod:`treeattn.plan.addressing` configures each (contig launches may run one pipeline stage
+    less, tall ones another tile, through tensor descriptors with ``tma``; gathered 32-row ones
+    two warps, gathered tall ones their own tile; with ``pdl``, persistent launches their
+    :func:`~treeattn.plan.addressing.persistent_tile` and the contig ones beside them
+    :func:`~treeattn.plan.addressing.beside_persistent`'s)."""
+    eb, group = heads.elem_bytes, heads.group
+    out = []
+    for m, n, warps, stages in launch_shapes(heads):
+        out += [(m, *c, False, False) for c in gathered_configs(m, n, warps, stages, elem_bytes=eb)]
+        out += [(m, *c, True, False) for c in contig_configs(m, n, warps, stages)]
+        out += [(m, *TILE_TALL_TMA, True, True)] * (tma and m >= TALL_CONTIG_ROWS and n >= 64)
+        if pdl and may_persist(m, contig=False, tma=False, group=group):
+            out += [(m, *persistent_tile(*c, elem_bytes=eb), False, False)
+                    for c in gathered_configs(m, n, warps, stages, elem_bytes=eb)]
+        if pdl and group >= BESIDE_MIN_GROUP:
+            out += [(m, *c, True, False) for c in beside_configs(m, n)]
+    return list(dict.fromkeys(out))
 
 
 def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
     """Whether a launch of ``cfg`` (a :func:`launch_configs` entry) may run persistent
-    (:func:`~treeattn.plan.addressing.persistent_tall`, plans run with ``pdl``)."""
-    m, _, _, _, contig, tma = cfg
-    return pdl and may_persist(m, contig=contig, tma=tma, group=heads.group)
+    (:func:`~treeattn.plan.addressing.persistent_tall`, plans run with ``pdl``, at the launch's
+    :func:`~treeattn.plan.addressing.persistent_tile`)."""
+    m, n, warps, stages, contig, tma = cfg
+    return (pdl and may_persist(m, contig=contig, tma=tma, group=heads.group)
+            and (n, warps, stages) == persistent_tile(n, warps, stages, elem_bytes=heads.elem_bytes))
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
@@ -105,7 +121,7 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
         out = torch.empty_like(q)
         # rows: to the merge, direct where final, or merging (a plan's last launch)
         for cfg, rows, inner, split, tail, persist in itertools.product(
-                launch_configs(heads, tma=tma), ("part", "direct", "merge"), (False, True), (False, True),
+                launch_configs(heads, tma=tma, pdl=pdl), ("part", "direct", "merge"), (False, True), (False, True),
                 (False, True), (False, True)):
             m, n, warps, stages, contig, tma_ = cfg
             if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \

@@ -14,7 +14,8 @@ import numpy as np
 from treeattn.topology import slot_breaks
 
 __all__ = ["DEEP_PIPELINE_MIN_TOKENS", "TILE_TALL_CONTIG", "TILE_TALL_GATHERED", "TILE_TALL_TMA", "contig_configs",
-           "contig_launches", "gathered_configs", "may_persist", "persistent_tall", "runs_between", "split_tails", "tall_tile",
+           "beside_configs", "beside_persistent", "contig_launches", "gathered_configs", "may_persist",
+           "persistent_tall", "persistent_tile", "runs_between", "split_tails", "tall_tile",
            "tma_launches", "tma_loads", "tma_pays", "unit_runs"]
 
 #: The contig launch config of query tiles of at least TALL_CONTIG_ROWS rows over long items, up to
@@ -50,6 +51,10 @@ PERSIST_ROWS = 64
 PERSIST_MIN_WAVES = 1.5
 PERSIST_MIN_LEAF_RATIO = 2.0
 PERSIST_MIN_GROUP = 4
+#: Beside a persistent launch, at GQA groups of BESIDE_MIN_GROUP or more, the launches of shorter
+#: tiles that compute their addresses over 64-token KV tiles take TILE_BESIDE (:func:`beside_persistent`)
+TILE_BESIDE = (32, 4, 3)
+BESIDE_MIN_GROUP = 8
 
 
 def unit_runs(kv_slots: np.ndarray, work_kv_start: np.ndarray, work_kv_end: np.ndarray) -> np.ndarray:
@@ -245,12 +250,49 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
 def may_persist(block_m: int, *, contig: bool, tma: bool, group: int) -> bool:
     """A launch of this query tile and addressing, in a plan of this GQA ``group``, is one that
     :func:`persistent_tall` may make persistent (what :func:`treeattn.precompile.precompile`
-    compiles so)."""
+    compiles so, at its :func:`persistent_tile`)."""
     return group >= PERSIST_MIN_GROUP and block_m >= PERSIST_ROWS and not contig and not tma
 
 
+def persistent_tile(block_n: int, num_warps: int, num_stages: int, *, elem_bytes: int) -> tuple:
+    """The ``(block_n, num_warps, num_stages)`` of a gathered launch planned at this one that
+    :func:`persistent_tall` makes persistent: :data:`TILE_TALL_GATHERED` where a 128-row launch
+    of it would take that tile (16-bit caches, 64-token tiles planned), at any query tile. One
+    program a SM, the deepest pipeline pays: the deep ``paths`` trees' 64-row launch at 32/8
+    (64-token tiles, 3 stages planned) ran 1.048 / 1.050x faster on an H200
+    (benchmarks/probe_tall_footprint.py, h200_probe_leaf_beside.json; NOTES.md, session 36)."""
+    if _gathered_tall(TALL_CONTIG_ROWS, block_n, elem_bytes):
+        return TILE_TALL_GATHERED
+    return block_n, num_warps, num_stages
+
+
+def beside_configs(block_m: int, block_n: int) -> list:
+    """The ``(block_n, num_warps, num_stages)`` that :func:`beside_persistent` may give a contig
+    launch planned with this shape (what :func:`treeattn.precompile.precompile` compiles)."""
+    return [TILE_BESIDE] if block_m < PERSIST_ROWS and block_n >= 64 else []
+
+
+def beside_persistent(launches, *, group: int) -> tuple:
+    """``launches`` with those of shorter tiles than :data:`PERSIST_ROWS` that compute their
+    addresses over 64-token (or wider) KV tiles at :data:`TILE_BESIDE` where one launch is
+    persistent and the GQA ``group`` is :data:`BESIDE_MIN_GROUP` or more.
+
+    Beside a persistent tall program (~147 KB of shared memory and half an SM's registers) an
+    SM holds one leaf program; 32-token tiles in three stages keep more KV in flight a program
+    than 64-token tiles in two. On an H200 (benchmarks/probe_tall_footprint.py,
+    h200_probe_leaf_beside.json, three alternating rounds): every such plan of the suite at 64/8
+    (16-row leaf launches) 1.004-1.026x; at 32/8 the one such plan 0.985x, and 32-token tiles in
+    two stages, 16-token tiles, two warps or 64-token tiles in three stages lost at both."""
+    if group < BESIDE_MIN_GROUP or not any(ln.programs for ln in launches):
+        return tuple(launches)
+    block_n, num_warps, num_stages = TILE_BESIDE
+    return tuple(dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                 if ln.contig and not ln.tma and not ln.programs and beside_configs(ln.block_m, ln.block_n)
+                 else ln for ln in launches)
+
+
 def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, num_kv_heads: int,
-                    num_sms: int, *, group: int) -> tuple:
+                    num_sms: int, *, group: int, elem_bytes: int) -> tuple:
     """``launches`` (run tallest first, in order on one stream with PDL) with their one gathered
     launch of tall query tiles persistent over one program a SM (:attr:`Launch.programs`) where
     it has :data:`PERSIST_MIN_WAVES` waves of programs or more (measured at 1.9-3.9), the
@@ -269,7 +311,10 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     the deep ``paths`` tree 1.02-1.06x, the deep tree's 64-row one at 32/8 1.03x; tall-heavy
     plans lose (``1,4,16,512_1024,256,128,32`` at 64/8, leaves 0.36 of the tall launch's KV:
     0.89x), and so do TMA tall launches (one program fills an SM: 0.89-0.96x) and launches
-    already within one wave (0.95-0.99x)."""
+    already within one wave (0.95-0.99x). The persistent launch takes its :func:`persistent_tile`
+    and the launches beside it may take :func:`beside_persistent`'s tile (session 36); tall
+    launches of a smaller footprint (contig 32-token tiles in 2-3 stages, gathered ones in 3-4,
+    TMA tiles made contig) lost 0.53-0.99x (h200_probe_tall_footprint.json)."""
     tall = [i for i, ln in enumerate(launches) if ln.block_m >= PERSIST_ROWS]
     if len(tall) != 1 or len(launches) < 2:
         return tuple(launches)
@@ -285,4 +330,6 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     leaf = sum(entries(x) for x in launches if x.block_m < PERSIST_ROWS)
     if leaf < PERSIST_MIN_LEAF_RATIO * entries(ln) * ln.block_m / TALL_CONTIG_ROWS:
         return tuple(launches)
-    return tuple(launches[:i]) + (dataclasses.replace(ln, programs=num_sms),) + tuple(launches[i + 1:])
+    block_n, num_warps, num_stages = persistent_tile(ln.block_n, ln.num_warps, ln.num_stages, elem_bytes=elem_bytes)
+    ln = dataclasses.replace(ln, programs=num_sms, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    return beside_persistent(tuple(launches[:i]) + (ln,) + tuple(launches[i + 1:]), group=group)

@@ -355,11 +355,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                                unit_tokens=work_kv_end - work_kv_start)
     if tma_loads(heads, cost):
         launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms)
-    launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     tall_first = cost.tall_first(longest_s)
     if tall_first and cost.pdl:
         launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms,
-                                   group=heads.group)
+                                   group=heads.group, elem_bytes=heads.elem_bytes)
+    launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(item_bound[-1])

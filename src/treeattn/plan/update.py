@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from treeattn.plan.addressing import contig_launches, unit_runs
+from treeattn.plan.addressing import beside_persistent, contig_launches, unit_runs
 from treeattn.plan.build import mask_rows
 from treeattn.plan.plan import Plan, PlanHost, masked_entries_by_unit
 from treeattn.tree import DecodingTree
@@ -84,21 +84,24 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
             out.append(_with_hints(gathers, now))
         else:
             is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
-            return tuple(_with_hints(x, now) for x, now in zip(
+            out = [_with_hints(x, now) for x, now in zip(
                 contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
                                 has_mask=plan.has_mask, elem_bytes=plan.heads.elem_bytes,
-                                unit_tokens=host["work_kv_end"] - host["work_kv_start"]), plan.launches))
-    return tuple(out)
+                                unit_tokens=host["work_kv_end"] - host["work_kv_start"]), plan.launches)]
+            break
+    # (launches reconfigured beside a persistent one take its neighbours' tile again)
+    return beside_persistent(out, group=plan.heads.group)
 
 
 def _with_hints(launch, now):
     """``launch`` with the patched plan's ``split_tail`` hint (kept, not re-checked: grown units may
-    end in a partial tile, which the kernel runs after the loop), its persistence where it still
-    gathers (:func:`~treeattn.plan.addressing.persistent_tall`: grown leaves only add to the leaf
-    launches) and, where it still reads runs, its TMA tile (grown units are no shorter:
-    :func:`~treeattn.plan.addressing.tma_launches`)."""
+    end in a partial tile, which the kernel runs after the loop), its persistence and persistent
+    tile where it still gathers (:func:`~treeattn.plan.addressing.persistent_tall`: grown leaves
+    only add to the leaf launches) and, where it still reads runs, its TMA tile (grown units are no
+    shorter: :func:`~treeattn.plan.addressing.tma_launches`)."""
     if now.programs and not launch.contig:
-        launch = _replace(launch, programs=now.programs)
+        launch = _replace(launch, programs=now.programs, block_n=now.block_n, num_warps=now.num_warps,
+                          num_stages=now.num_stages)
     if now.tma and launch.contig:
         return _replace(launch, block_n=now.block_n, num_warps=now.num_warps, num_stages=now.num_stages,
                         split_tail=True, tma=True)
