@@ -177,14 +177,18 @@ def test_auto_rates_the_unsplit_sequence_plan_of_short_paths():
     assert len(sequence_variants(tree, H200_HEADS, CostModel(min_split_tokens=128))) == 1
 
 
-def test_direct_saving_applies_to_direct_plans_only():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_direct_saving_applies_to_direct_plans_only(pdl):
+    """Plans without a merge launch are credited ``direct_saving_s``, with PDL
+    ``direct_saving_pdl_s`` (the merge launch overlaps the attention launches there)."""
     tree = tree_from_spec("1,2,64_8,256,32")
     items = {s: p(tree, H200_HEADS, CostModel())[0] for s, p in PLANNERS.items()}
     whole = PLANNERS["sequence"].variants(tree, H200_HEADS, CostModel())[1][0]
-    saving = CostModel().direct_saving_s
+    field = "direct_saving_pdl_s" if pdl else "direct_saving_s"
+    saving = getattr(CostModel(), field)
     assert 0 < saving < CostModel().fixed_overhead_s  # estimates stay positive
     for it in [*items.values(), whole]:
-        a, b = (estimate_items(tree, it, H200_HEADS, CostModel(direct_saving_s=x)) for x in (0.0, saving))
+        a, b = (estimate_items(tree, it, H200_HEADS, CostModel(pdl=pdl, **{field: x})) for x in (0.0, saving))
         assert b["total"] == pytest.approx(a["total"] - saving * (a["merge"] == 0), rel=1e-12)
     assert estimate_items(tree, whole, H200_HEADS, CostModel())["merge"] == 0
 

@@ -79,6 +79,14 @@ class CostModel:
     #: one query (benchmarks/floor.py). On the kernel suite's timings any value in 6-10 us makes
     #: the same choices (benchmarks/probe_direct.py, NOTES.md); kept below fixed_overhead_s
     direct_saving_s: float = 6e-6
+    #: the same with ``pdl``: the merge launch and its wait overlap the attention launches, and
+    #: since only a launch's last program waits at its exit (session 35) a merging plan's launches
+    #: overlap more. On every strategy's timings of the suite at 05868dd (H200, one run,
+    #: h200_kernels_all_*_05868dd.json) 6 us chose ``paths`` (direct) over two-launch ``greedy`` /
+    #: ``node`` plans up to 1.25x slower (``1,4,256_32,256,32`` at 32/8): 86/96 within 5% of
+    #: the fastest, worst 1.255x; any value in 1-3 us: 90/96, worst 1.117x (four choices change,
+    #: each to the fastest; of 123 Medusa-, few-shot- and ToT-shaped plans one changes)
+    direct_saving_pdl_s: float = 2e-6
     #: a plan whose longest program takes at least this long on its own runs its launches tallest
     #: query tile first (the builder orders them shortest first, by shape): under graph replay
     #: with side streams the first launch's programs are dispatched first, so a long program of a
@@ -271,6 +279,7 @@ class CostModel:
         # power may differ in the last bit)
         soft = [(a ** p + b ** p) ** inv_p for a, b in zip(sm_all, longest_all)]
         row_bytes, out_bytes = heads.partial_row_bytes(), hq * d * eb
+        saving = self.direct_saving_pdl_s if self.pdl else self.direct_saving_s
         out = []
         for (kv_tokens, rows, merge_rows_max, num_queries, set_masked, _), lo, hi in zip(sets, bounds, bounds[1:]):
             num_queries = rows if num_queries is None else int(num_queries)
@@ -291,7 +300,7 @@ class CostModel:
                                            ) + self.launch_overhead_s
             out.append({"attention": attn, "merge": merge, "launches": hi - lo, "masked": set_masked,
                         "tall_first": tall_first,
-                        "total": attn + merge + self.fixed_overhead_s - self.direct_saving_s * (direct and hi > lo)})
+                        "total": attn + merge + self.fixed_overhead_s - saving * (direct and hi > lo)})
         return out
 
     def _tile_rates(self, block_m: np.ndarray, block_n: np.ndarray, heads: HeadConfig) -> tuple:
