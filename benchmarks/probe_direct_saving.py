@@ -62,7 +62,8 @@ def main() -> None:
                     and a.reason.split("; ")[-1] == b.reason.split("; ")[-1]):
                 continue
             q, k, v, out = case_inputs(tree, hq, hkv)
-            ref = reference_fp32(q, k[:, 0], v[:, 0], tree, HEAD_DIM ** -0.5)
+            slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (token order)
+            ref = reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
             row = {"tree": name, "hq": hq, "hkv": hkv, "us": {"old": [], "new": []}, "err": {},
                    "strategy": {key: p.strategy for key, p in plans.items()},
                    "reason": {key: p.reason for key, p in plans.items()}}
