@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -38,6 +39,15 @@ def reference_fp32(q, k, v, tree, scale):
         out[:, h * g:(h + 1) * g] = torch.einsum("gqt,td->qgd", p, v[:, h].float())
         del s, p
     return out
+
+
+def checked_error(out, ref, what: str, *, tol: float = 1e-2) -> float:
+    """Relative L2 error of ``out`` against the fp32 ``ref``; a probe stops (naming ``what``)
+    where it is not finite or above ``tol`` (16-bit outputs)."""
+    err = float((out.float() - ref).norm() / ref.norm())
+    if not math.isfinite(err) or err > tol:
+        raise SystemExit(f"{what}: relative L2 {err}")
+    return err
 
 
 def main(argv=None) -> int:

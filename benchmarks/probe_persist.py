@@ -19,7 +19,7 @@ import json
 import math
 
 import torch
-from check_gpu import reference_fp32
+from check_gpu import checked_error, reference_fp32
 
 import treeattn.plan.build as build
 from treeattn import TreeAttention
@@ -62,10 +62,7 @@ def main() -> None:
                     o = torch.empty_like(out)
                     w.run(q, k, v, p, out=o)
                     torch.cuda.synchronize()
-                    err = float((o.float() - ref).norm() / ref.norm())
-                    if not math.isfinite(err) or err > 1e-2:
-                        raise SystemExit(f"{spec} {hq}/{hkv} {strategy} {name}: relative L2 {err}")
-                    row["err"][name] = err
+                    row["err"][name] = checked_error(o, ref, f"{spec} {hq}/{hkv} {strategy} {name}")
                 for _ in range(2):
                     for name, p in plans.items():
                         row["us"][name].append(graph_us(lambda: w.run(q, k, v, p, out=out)))
