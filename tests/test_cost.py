@@ -1,5 +1,6 @@
 """The cost model ``auto`` uses: its estimate is positive and grows with the work, its launch
 features are what the plan builder launches, and ``auto`` avoids clearly slower strategies."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -191,6 +192,19 @@ def test_direct_saving_applies_to_direct_plans_only(pdl):
         a, b = (estimate_items(tree, it, H200_HEADS, CostModel(pdl=pdl, **{field: x})) for x in (0.0, saving))
         assert b["total"] == pytest.approx(a["total"] - saving * (a["merge"] == 0), rel=1e-12)
     assert estimate_items(tree, whole, H200_HEADS, CostModel())["merge"] == 0
+
+
+@pytest.mark.parametrize("spec,fastest", [("1,4,256_8,256,32", "greedy"), ("1,256_256,32", "node"),
+                                          ("1,4,256_32,256,32", "greedy")])
+def test_pdl_plans_take_two_launches_over_a_slower_direct_plan(spec, fastest):
+    """With PDL (the H200's launch mode) these 32/8 trees' two-launch plans ran 1.19-1.25x faster
+    than the merge-free ``paths`` plan (benchmarks/results/h200_probe_direct_saving_0a431f6.json):
+    ``auto`` picks them with ``direct_saving_pdl_s``, and picked ``paths`` with 6 us."""
+    cost = CostModel(tma=True, pdl=True, side_streams=True)
+    tree = tree_from_spec(spec)
+    assert make_plan(tree, H200_HEADS, strategy="auto", cost=cost).strategy == fastest
+    old = dataclasses.replace(cost, direct_saving_pdl_s=6e-6)
+    assert make_plan(tree, H200_HEADS, strategy="auto", cost=old).strategy == "paths"
 
 
 def test_explain_mentions_choice_and_estimates():
