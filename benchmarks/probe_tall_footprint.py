@@ -16,9 +16,10 @@ Variants name the plan's tall launch (the >= 64-row launch of most KV entries) a
 where the launch already reads runs), ``G`` gathered; ``P<k>`` persistent over ``k`` programs a
 SM; ``m`` the merge launch instead of the last launch's fold (set with ``P``, as the fold makes
 every leaf program wait for the tall launch). ``/L<block_n>.<warps>.<stages>`` also sets the
-launches of <= 32-row tiles (``L...`` alone: only those, the tall launch as planned). Each variant's output is checked against an fp32 reference; times
-are CUDA-graph replays (L2 flushed), every plan once a round over ``--rounds`` rounds; the
-best of each plan's rounds is compared.
+launches of <= 32-row tiles (``L...`` alone: only those, the tall launch as planned). Each
+variant's output is checked against an fp32 reference; times are CUDA-graph replays (L2
+flushed), every plan once a round over ``--rounds`` rounds; the best of each plan's rounds is
+compared.
 
 Usage::
 

@@ -44,9 +44,9 @@ DEEP_PIPELINE_MIN_TOKENS = 1024
 SPLIT_TAIL_ROWS = 64
 SPLIT_TAIL_TILES = 32
 #: A plan's one gathered launch of query tiles of at least PERSIST_ROWS rows runs persistent, one
-#: program a SM at its :func:`persistent_tile`, when it has PERSIST_MIN_WAVES x SMs programs or more, the launches of shorter
-#: tiles read PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or more and
-#: the GQA group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
+#: program a SM at its :func:`persistent_tile`, when it has PERSIST_MIN_WAVES x SMs programs or
+#: more, the launches of shorter tiles read PERSIST_MIN_LEAF_RATIO times its KV entries (counted
+#: for 128-row tiles) or more and the GQA group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
 PERSIST_ROWS = 64
 PERSIST_MIN_WAVES = 1.5
 PERSIST_MIN_LEAF_RATIO = 2.0
