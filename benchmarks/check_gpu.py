@@ -20,7 +20,7 @@ import torch
 import triton
 
 from treeattn import STRATEGIES, TreeAttention
-from treeattn.bench.timing import capture, provenance
+from treeattn.bench.timing import capture, graph_us, provenance
 from treeattn.reference import visibility_mask
 from treeattn.workloads import suite_trees, tree_from_spec
 
@@ -48,6 +48,16 @@ def checked_error(out, ref, what: str, *, tol: float = 1e-2) -> float:
     if not math.isfinite(err) or err > tol:
         raise SystemExit(f"{what}: relative L2 {err}")
     return err
+
+
+def alternating_graph_us(run, plans: dict, rounds: int) -> dict:
+    """``{name: [us, ...]}``: each of ``plans`` timed by :func:`~treeattn.bench.timing.graph_us`
+    of ``run(plan)``, once a round over ``rounds`` rounds, so that drift hits them all alike."""
+    us = {name: [] for name in plans}
+    for _ in range(rounds):
+        for name, p in plans.items():
+            us[name].append(graph_us(lambda: run(p)))
+    return us
 
 
 def main(argv=None) -> int:

@@ -16,11 +16,11 @@ import dataclasses
 import json
 
 import torch
-from check_gpu import checked_error, reference_fp32
+from check_gpu import alternating_graph_us, checked_error, reference_fp32
 
 from treeattn import TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
-from treeattn.bench.timing import graph_us, provenance
+from treeattn.bench.timing import provenance
 from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec, tree_from_tot_template
 
 SHAPED = ["1,10_4000,400", "1,10_1104,64", "1,10_1104,256", "1,10_1104,640", "1,10_1104,1024", "1,20_4000,200",
@@ -63,16 +63,14 @@ def main() -> None:
             q, k, v, out = case_inputs(tree, hq, hkv)
             slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (token order)
             ref = reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
-            row = {"tree": name, "hq": hq, "hkv": hkv, "us": {"old": [], "new": []}, "err": {},
+            row = {"tree": name, "hq": hq, "hkv": hkv, "err": {},
                    "strategy": {key: p.strategy for key, p in plans.items()},
                    "reason": {key: p.reason for key, p in plans.items()}}
             for key, p in plans.items():
                 w.run(q, k, v, p, out=out)
                 torch.cuda.synchronize()
                 row["err"][key] = checked_error(out, ref, f"{name} {hq}/{hkv} {key}")
-            for _ in range(args.rounds):
-                for key, p in plans.items():
-                    row["us"][key].append(graph_us(lambda: w.run(q, k, v, p, out=out)))
+            row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, args.rounds)
             row["speedup"] = min(row["us"]["old"]) / min(row["us"]["new"])
             res["rows"].append(row)
             print(f"{name[:40]:40s} {hq}/{hkv} {row['strategy']['old']} {min(row['us']['old']):.1f} -> "

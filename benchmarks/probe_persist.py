@@ -19,12 +19,12 @@ import json
 import math
 
 import torch
-from check_gpu import checked_error, reference_fp32
+from check_gpu import alternating_graph_us, checked_error, reference_fp32
 
 import treeattn.plan.build as build
 from treeattn import TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
-from treeattn.bench.timing import graph_us, provenance
+from treeattn.bench.timing import provenance
 from treeattn.workloads import tree_from_spec
 
 TREES = ("1,8,512_32,512,256", "1,8,512_512,512,256", "1,8,512_32,2048,256",
@@ -57,15 +57,13 @@ def main() -> None:
                 if not any(ln.programs for ln in plans["on"].launches):
                     continue
                 row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plans["on"].strategy,
-                       "explain": plans["on"].explain(), "us": {"on": [], "off": []}, "err": {}}
+                       "explain": plans["on"].explain(), "err": {}}
                 for name, p in plans.items():
                     o = torch.empty_like(out)
                     w.run(q, k, v, p, out=o)
                     torch.cuda.synchronize()
                     row["err"][name] = checked_error(o, ref, f"{spec} {hq}/{hkv} {strategy} {name}")
-                for _ in range(2):
-                    for name, p in plans.items():
-                        row["us"][name].append(graph_us(lambda: w.run(q, k, v, p, out=out)))
+                row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, 2)
                 row["speedup"] = min(row["us"]["off"]) / min(row["us"]["on"])
                 res["rows"].append(row)
                 print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:7s} on {row['us']['on']} off {row['us']['off']} "

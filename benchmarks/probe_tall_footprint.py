@@ -34,11 +34,11 @@ import math
 import re
 
 import torch
-from check_gpu import checked_error, reference_fp32
+from check_gpu import alternating_graph_us, checked_error, reference_fp32
 
 from treeattn import TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
-from treeattn.bench.timing import graph_us, provenance
+from treeattn.bench.timing import provenance
 from treeattn.workloads import tree_from_spec
 
 TREES = ("1,8,512_32,2048,256", "1,8,512_512,512,256", "1,8,512_32,512,256",
@@ -103,7 +103,7 @@ def main() -> None:
             row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plan.strategy, "merge_last": plan.merge_last,
                    "launches": [[ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma,
                                  ln.programs, ln.work_end - ln.work_start, entries(ln)] for ln in plan.launches],
-                   "us": {}, "err": {}}
+                   "err": {}}
             plans = {"planned": plan}
             for name in args.variants:
                 p = variant(plan, name, num_sms, entries)
@@ -115,10 +115,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 row["err"][name] = checked_error(o, ref, f"{spec} {hq}/{hkv} {name}")
                 plans[name] = p
-            # alternate rounds: every plan once a round, so drift hits all alike
-            for _ in range(args.rounds):
-                for name, p in plans.items():
-                    row["us"].setdefault(name, []).append(graph_us(lambda: w.run(q, k, v, p, out=out)))
+            row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, args.rounds)
             res["rows"].append(row)
             base = min(row["us"]["planned"])
             best = min(row["us"], key=lambda n: min(row["us"][n]))

@@ -281,8 +281,9 @@ def beside_persistent(launches, *, group: int) -> tuple:
     SM holds one leaf program; 32-token tiles in three stages keep more KV in flight a program
     than 64-token tiles in two. On an H200 (benchmarks/probe_tall_footprint.py,
     h200_probe_leaf_beside.json, three alternating rounds): every such plan of the suite at 64/8
-    (16-row leaf launches) 1.004-1.026x; at 32/8 the one such plan 0.985x, and 32-token tiles in
-    two stages, 16-token tiles, two warps or 64-token tiles in three stages lost at both."""
+    (16-row leaf launches) 1.004-1.026x; at 32/8 the two such plans (the deep trees) 0.985x, and
+    32-token tiles in two stages, 16-token tiles, two warps or 64-token tiles in three stages
+    lost at both."""
     if group < BESIDE_MIN_GROUP or not any(ln.programs for ln in launches):
         return tuple(launches)
     block_n, num_warps, num_stages = TILE_BESIDE

@@ -84,8 +84,9 @@ class CostModel:
     #: overlap more. On every strategy's timings of the suite at 05868dd (H200, one run,
     #: h200_kernels_all_*_05868dd.json) 6 us chose ``paths`` (direct) over two-launch ``greedy`` /
     #: ``node`` plans up to 1.25x slower (``1,4,256_32,256,32`` at 32/8): 86/96 within 5% of
-    #: the fastest, worst 1.255x; any value in 1-3 us: 90/96, worst 1.117x (four choices change,
-    #: each to the fastest; of 123 Medusa-, few-shot- and ToT-shaped plans one changes)
+    #: the fastest, worst 1.255x; any value in 1-3 us: 90/96, worst 1.117x (benchmarks/eval_choices.py).
+    #: Of 210 suite, Medusa-, few-shot- and ToT-shaped plans five change, each 1.056-1.252x faster
+    #: in one process (benchmarks/probe_direct_saving.py, h200_probe_direct_saving_0a431f6.json)
     direct_saving_pdl_s: float = 2e-6
     #: a plan whose longest program takes at least this long on its own runs its launches tallest
     #: query tile first (the builder orders them shortest first, by shape): under graph replay
