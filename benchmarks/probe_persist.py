@@ -1,25 +1,31 @@
-"""Probe: plans with and without the persistent tall launch (``plan.addressing.persistent_tall``).
+"""Probe: plans with the persistent tall launch rule (``plan.addressing.persistent_tall``) of this
+checkout against another version's rule, or against none.
 
-The rule runs a plan's one gathered tall launch over one program a SM where the leaf launches
-after it read enough more KV, so that they run beside it (with PDL every launch's programs start
-only once the launch before has started all of its), and drops the last launch's fold for the
-merge launch. Session 35's probes set the rule from variants of ``auto``'s plans (at f2e533c:
-``h200_probe_tall_room.json``); this times the plans the builder makes, with the rule and with
-it switched off (the builder's ``persistent_tall`` replaced by the identity), alternately twice
-in one process under CUDA-graph replay, and checks both against the fp32 reference.
+The rule runs a plan's largest tall launch persistent where the leaf launches after it read
+enough more KV, so that they run beside it (with PDL every launch's programs start only once the
+launch before has started all of its), and drops the last launch's fold for the merge launch.
+This plans every case with this checkout's rule (``on``), with the rule switched off (``off``:
+the builder's ``persistent_tall`` replaced by the identity) and, with ``--baseline FILE`` (an
+``addressing.py`` of another version, e.g. ``git show HEAD~1:src/treeattn/plan/addressing.py``),
+with that version's rule (``base``); it times the plans of the cases where ``on`` differs from
+the others alternately over ``--rounds`` rounds in one process under CUDA-graph replay and checks
+each against the fp32 reference.
 
 Usage::
 
-    python benchmarks/probe_persist.py [--trees ...] [--heads 32/8,64/8] [--strategies auto] [--out FILE]
+    python benchmarks/probe_persist.py [--trees ...] [--all] [--heads 32/8,64/8] [--baseline FILE] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import json
 import math
 
 import torch
 from check_gpu import alternating_graph_us, checked_error, reference_fp32
+from probe_direct_saving import trees as shaped_trees
 
 import treeattn.plan.build as build
 from treeattn import TreeAttention
@@ -32,45 +38,74 @@ TREES = ("1,8,512_32,512,256", "1,8,512_512,512,256", "1,8,512_32,2048,256",
          "1,4,16,512_1024,256,128,32")
 
 
+def baseline_rule(path: str):
+    """``persistent_tall`` of the ``addressing.py`` at ``path``, given only the keyword arguments
+    it takes of those the builder passes."""
+    spec = importlib.util.spec_from_file_location("baseline_addressing", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    takes = inspect.signature(mod.persistent_tall).parameters
+    return lambda *args, **kw: mod.persistent_tall(*args, **{k: v for k, v in kw.items() if k in takes})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trees", nargs="*", default=list(TREES))
+    ap.add_argument("--all", action="store_true",
+                    help="the suite's and probe_direct_saving's Medusa-, few-shot- and ToT-shaped trees")
     ap.add_argument("--heads", default="32/8,64/8")
     ap.add_argument("--strategies", default="auto")
+    ap.add_argument("--baseline")
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out")
     args = ap.parse_args()
-    rule = build.persistent_tall
-    res = {**provenance(), "rows": []}
-    for spec in args.trees:
-        tree = tree_from_spec(spec)
+    rules = {"on": build.persistent_tall, "off": lambda launches, *a, **kw: tuple(launches)}
+    if args.baseline:
+        rules["base"] = baseline_rule(args.baseline)
+    cases = shaped_trees() if args.all else ((s, lambda s=s: tree_from_spec(s)) for s in args.trees)
+    res = {**provenance(), "baseline": args.baseline, "planned": 0, "rows": []}
+    for name, make in cases:
+        tree = make()
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            q, k, v, out = case_inputs(tree, hq, hkv)
-            ref = reference_fp32(q, k[:, 0], v[:, 0], tree, HEAD_DIM ** -0.5)
             for strategy in args.strategies.split(","):
                 w = TreeAttention(device="cuda")
                 plans = {}
-                for name, fn in (("on", rule), ("off", lambda launches, *a, **kw: tuple(launches))):
+                for key, fn in rules.items():
                     build.persistent_tall = fn
-                    plans[name] = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
-                                         strategy=strategy)
-                build.persistent_tall = rule
-                if not any(ln.programs for ln in plans["on"].launches):
+                    plans[key] = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
+                                        strategy=strategy)
+                build.persistent_tall = rules["on"]
+                res["planned"] += 1
+                on = plans["on"]
+                plans = {"on": on} | {k: p for k, p in plans.items()
+                                      if (p.launches, p.merge_launch) != (on.launches, on.merge_launch)}
+                if len(plans) == 1:
                     continue
-                row = {"tree": spec, "hq": hq, "hkv": hkv, "strategy": plans["on"].strategy,
-                       "explain": plans["on"].explain(), "err": {}}
-                for name, p in plans.items():
+                q, k, v, out = case_inputs(tree, hq, hkv)
+                slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (token order)
+                ref = reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
+                row = {"tree": name, "hq": hq, "hkv": hkv, "strategy": on.strategy, "explain": on.explain(),
+                       "programs": {key: [ln.programs for ln in p.launches] for key, p in plans.items()},
+                       "err": {}}
+                for key, p in plans.items():
                     o = torch.empty_like(out)
                     w.run(q, k, v, p, out=o)
                     torch.cuda.synchronize()
-                    row["err"][name] = checked_error(o, ref, f"{spec} {hq}/{hkv} {strategy} {name}")
-                row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, 2)
-                row["speedup"] = min(row["us"]["off"]) / min(row["us"]["on"])
+                    row["err"][key] = checked_error(o, ref, f"{name} {hq}/{hkv} {strategy} {key}")
+                row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, args.rounds)
+                row["speedup"] = {key: min(ts) / min(row["us"]["on"]) for key, ts in row["us"].items() if key != "on"}
                 res["rows"].append(row)
-                print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:7s} on {row['us']['on']} off {row['us']['off']} "
-                      f"x{row['speedup']:.3f} err {row['err']['on']:.1e}", flush=True)
-    g = [r["speedup"] for r in res["rows"]]
-    if g:
-        print(f"{len(g)} plans: geomean x{math.exp(sum(map(math.log, g)) / len(g)):.3f} [{min(g):.3f}, {max(g):.3f}]")
+                print(f"{name[:40]:40s} {hq}/{hkv} {row['strategy']:7s} {row['programs']} "
+                      + " ".join(f"{key} {min(ts):.1f}" for key, ts in row["us"].items())
+                      + " " + " ".join(f"x{key} {s:.3f}" for key, s in row["speedup"].items()), flush=True)
+                del q, k, v, out, ref
+                torch.cuda.empty_cache()
+    for key in rules:
+        g = [r["speedup"][key] for r in res["rows"] if key in r["speedup"]]
+        if g:
+            print(f"on over {key}: {len(g)} plans, geomean x{math.exp(sum(map(math.log, g)) / len(g)):.3f} "
+                  f"[{min(g):.3f}, {max(g):.3f}]")
+    print(f"{len(res['rows'])} of {res['planned']} plans differ")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -12,14 +12,16 @@ tall launch's KV or more, a contig or shallow gathered tall launch (persistent w
 than a wave of programs) brings the plan from the sum of the two launches towards the longer.
 
 Variants name the plan's tall launch (the >= 64-row launch of most KV entries) as
-``<A><block_n>.<warps>.<stages>[P<k>][m]``: ``A`` its addressing, ``T`` TMA, ``C`` contig (only
-where the launch already reads runs), ``G`` gathered; ``P<k>`` persistent over ``k`` programs a
-SM; ``m`` the merge launch instead of the last launch's fold (set with ``P``, as the fold makes
-every leaf program wait for the tall launch). ``/L<block_n>.<warps>.<stages>`` also sets the
-launches of <= 32-row tiles (``L...`` alone: only those, the tall launch as planned). Each
-variant's output is checked against an fp32 reference; times are CUDA-graph replays (L2
-flushed), every plan once a round over ``--rounds`` rounds; the best of each plan's rounds is
-compared.
+``<A><block_n>.<warps>.<stages>[P<k>|N<n>][m]``: ``A`` its addressing, ``T`` TMA, ``C`` contig
+(only where the launch already reads runs), ``G`` gathered; ``P<k>`` persistent over ``k``
+programs a SM, ``N<n>`` over ``n`` programs in all (fewer than SMs: the tall launch keeps to
+those SMs, and the leaf launch has the others from the start; session 37); ``m`` the merge
+launch instead of the last launch's fold (set with ``P`` or ``N``, as the fold makes every leaf
+program wait for the tall launch). ``/L[T]<block_n>.<warps>.<stages>`` also sets the launches of
+<= 32-row tiles (``T``: through TMA, where they are contig; ``L...`` alone: only those, the tall
+launch as planned). ``--cost FIELD=VALUE`` plans with those CostModel fields. Each variant's
+output is checked against an fp32 reference; times are CUDA-graph replays (L2 flushed), every
+plan once a round over ``--rounds`` rounds; the best of each plan's rounds is compared.
 
 Usage::
 
@@ -46,7 +48,7 @@ TREES = ("1,8,512_32,2048,256", "1,8,512_512,512,256", "1,8,512_32,512,256",
 VARIANTS = ("T128.8.3P1m", "C32.4.3", "C32.4.3P1m", "C32.4.2P1m", "C32.8.3P1m", "C64.8.2P1m",
             "G32.4.7", "G32.4.7P1m", "G32.4.4", "G32.4.4P1m", "G32.4.3P1m", "G32.4.7P1m/L32.4.3",
             "C32.4.3P1m/L32.4.3")
-SPEC = re.compile(r"(?:([TCG])(\d+)\.(\d+)\.(\d+)(?:P(\d+))?(m?))?/?(?:L(\d+)\.(\d+)\.(\d+))?$")
+SPEC = re.compile(r"(?:([TCG])(\d+)\.(\d+)\.(\d+)(?:([PN])(\d+))?(m?))?/?(?:L(T?)(\d+)\.(\d+)\.(\d+))?$")
 
 
 def variant(plan, name: str, num_sms: int, entries):
@@ -55,7 +57,7 @@ def variant(plan, name: str, num_sms: int, entries):
     m = SPEC.match(name)
     if not m:
         raise SystemExit(f"bad variant {name!r}")
-    addr, bn, warps, stages, per_sm, fold_off, lbn, lwarps, lstages = m.groups()
+    addr, bn, warps, stages, persist, count, fold_off, ltma, lbn, lwarps, lstages = m.groups()
     tall = [i for i, ln in enumerate(plan.launches) if ln.block_m >= 64]
     if not tall:
         return None
@@ -67,9 +69,11 @@ def variant(plan, name: str, num_sms: int, entries):
     if addr:
         launches[i] = dataclasses.replace(ln, block_n=int(bn), num_warps=int(warps), num_stages=int(stages),
                                           contig=addr in "TC", tma=addr == "T",
-                                          programs=int(per_sm) * num_sms if per_sm else 0)
+                                          programs=0 if not persist else
+                                          int(count) * num_sms if persist == "P" else int(count))
     if lbn:
-        launches = [dataclasses.replace(x, block_n=int(lbn), num_warps=int(lwarps), num_stages=int(lstages))
+        launches = [dataclasses.replace(x, block_n=int(lbn), num_warps=int(lwarps), num_stages=int(lstages),
+                                        tma=x.contig and bool(ltma))
                     if x.block_m <= 32 else x for x in launches]
     out = dataclasses.replace(plan, launches=tuple(launches))
     if fold_off and plan.merge_last:
@@ -84,16 +88,20 @@ def main() -> None:
     ap.add_argument("--heads", default="32/8,64/8")
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cost", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="CostModel fields to plan with (e.g. balance_programs_per_sm=12)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    cost_fields = {k: float(v) for k, v in (s.split("=") for s in args.cost)}
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    res = {**provenance(), "variants": args.variants, "num_sms": num_sms, "rows": []}
+    res = {**provenance(), "variants": args.variants, "cost": cost_fields, "num_sms": num_sms, "rows": []}
     for spec in args.trees:
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
             q, k, v, out = case_inputs(tree, hq, hkv)
             ref = reference_fp32(q, k[:, 0], v[:, 0], tree, HEAD_DIM ** -0.5)
             w = TreeAttention(device="cuda")
+            w.cost = dataclasses.replace(w.cost, **cost_fields)
             plan = w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM)
             ks, ke = plan.host.work_kv_start, plan.host.work_kv_end
 

@@ -69,28 +69,59 @@ def test_persistent_last_launch_merges(rng, device):
     assert rel_l2(out, ref) <= TOL[torch.float32]
 
 
+RULE = dict(share_gathered=0.5, share_tma=0.25, min_leaf_entries=0)
+
+
 def test_persistent_tall_rule():
-    """One gathered tall launch of PERSIST_MIN_WAVES waves of programs or more beside leaf
-    launches that read at least PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles), at a GQA
-    group of PERSIST_MIN_GROUP or more, runs one program a SM; nothing else does."""
+    """The largest launch of tall tiles, gathered or through TMA, beside leaf launches that read at
+    least PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles) and ``min_leaf_entries`` KV
+    entries x KV heads, at a GQA group of PERSIST_MIN_GROUP or more, runs persistent over
+    ``ceil(W / R)`` programs, ``R = ceil(W / (share x SMs))`` rounds of its ``W``; nothing else does."""
     start = np.zeros(6, dtype=np.int64)
     end = np.array([400, 400, 400, 400, 100, 100])  # leaf units 0-3 (1600 entries), tall 4-5 (200)
     leaf, tall = Launch(16, 64, 0, 4), Launch(128, 32, 4, 6, 4, 7)
-    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, elem_bytes=2)
-    assert rule((leaf, tall), num_sms=4, group=8) == (leaf, dataclasses.replace(tall, programs=4))
-    assert rule((leaf, tall), num_sms=11, group=8) == (leaf, tall)  # 16 programs: under PERSIST_MIN_WAVES
-    assert rule((leaf, tall), num_sms=10, group=8)[1].programs == 10
-    assert rule((leaf, tall), num_sms=4, group=PERSIST_MIN_GROUP - 1) == (leaf, tall)
-    for other in (dataclasses.replace(tall, contig=True), dataclasses.replace(tall, contig=True, tma=True)):
-        assert rule((leaf, other), num_sms=4, group=8) == (leaf, other)
-    two = (leaf, Launch(64, 64, 4, 5), Launch(128, 32, 5, 6))
-    assert rule(two, num_sms=1, group=8) == two  # two tall launches would share the SMs
+    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, elem_bytes=2,
+                             **RULE)
+    # 16 programs over a share of 0.5 x 8 SMs: 4 rounds of 4 programs; of 0.5 x 10: 4 rounds of 4
+    assert rule((leaf, tall), num_sms=8, group=8) == (leaf, dataclasses.replace(tall, programs=4))
+    assert rule((leaf, tall), num_sms=10, group=8)[1].programs == 4
+    assert rule((leaf, tall), num_sms=12, group=8)[1].programs == 6  # 3 rounds of 6 (the last of 4)
+    assert rule((leaf, tall), num_sms=32, group=8) == (leaf, tall)  # one round: nothing to share
+    assert rule((leaf, tall), num_sms=8, group=PERSIST_MIN_GROUP - 1) == (leaf, tall)
+    assert rule((leaf, tall), num_sms=8, group=8, min_leaf_entries=1600 * 8 + 1) == (leaf, tall)
+    # a TMA launch keeps its tile and takes its own share; a contig one that computes its
+    # addresses without TMA is not made persistent
+    tma = dataclasses.replace(tall, block_n=128, num_warps=8, num_stages=3, contig=True, tma=True)
+    assert rule((leaf, tma), num_sms=8, group=8) == (leaf, dataclasses.replace(tma, programs=2))
+    contig = dataclasses.replace(tall, contig=True)
+    assert rule((leaf, contig), num_sms=8, group=8) == (leaf, contig)
+    # of two tall launches, the one of most KV entries
+    two = (leaf, Launch(64, 64, 4, 5), Launch(128, 32, 5, 6, 4, 7))
+    out = rule(two, work_kv_end=np.array([400, 400, 400, 400, 40, 100]), num_sms=2, group=8)
+    assert out[:2] == two[:2] and out[2].programs == 1
     # the leaves must read PERSIST_MIN_LEAF_RATIO times the tall launch's entries (64-row tiles count half)
     short = end.copy()
     short[:4] = PERSIST_MIN_LEAF_RATIO * 200 / 4 - 1
-    assert rule((leaf, tall), work_kv_end=short, num_sms=4, group=8) == (leaf, tall)
+    assert rule((leaf, tall), work_kv_end=short, num_sms=8, group=8) == (leaf, tall)
     half = dataclasses.replace(tall, block_m=64)
-    assert rule((leaf, half), work_kv_end=short, num_sms=4, group=8)[1].programs == 4
+    assert rule((leaf, half), work_kv_end=short, num_sms=8, group=8)[1].programs == 4
+
+
+def test_builder_shares_the_sms_by_cost_model():
+    """The builder takes the shares and the leaf minimum from the CostModel: on an H200 the TMA tall
+    launch of ``1,8,512_32,2048,256`` at 64/8 (256 programs) runs over 64 (4 rounds over half the
+    SMs) and the gathered one of ``1,8,512_512,512,256`` over 86 (3 rounds over 0.72 of them);
+    ``1,50_4000,200``'s leaves (0.11M KV entries x heads) are too few."""
+    heads = HeadConfig(64, 8, 128, torch.float16)
+    cost = CostModel(tma=True, pdl=True)
+    for spec, programs in (("1,8,512_32,2048,256", [0, 0, 64]), ("1,8,512_512,512,256", [0, 86])):
+        plan = make_plan(tree_from_spec(spec), heads, cost=cost)
+        assert [ln.programs for ln in plan.launches] == programs, spec
+    few = make_plan(tree_from_spec("1,50_4000,200"), HeadConfig(32, 8, 128, torch.float16), cost=cost)
+    assert not any(ln.programs for ln in few.launches)
+    low = dataclasses.replace(cost, persist_min_leaf_entries=0)
+    few = make_plan(tree_from_spec("1,50_4000,200"), HeadConfig(32, 8, 128, torch.float16), cost=low)
+    assert any(ln.programs for ln in few.launches)
 
 
 def tile(ln) -> tuple:
@@ -100,10 +131,12 @@ def tile(ln) -> tuple:
 def test_persistent_tile_and_the_launches_beside_it():
     """The persistent launch takes TILE_TALL_GATHERED wherever a 128-row one would (16-bit caches,
     64-token tiles planned), any query tile; beside it, at GQA groups of BESIDE_MIN_GROUP or more,
-    the shorter tiles' launches that compute their addresses over 64-token tiles take TILE_BESIDE."""
+    the shorter tiles' launches that compute their addresses over 64-token tiles take TILE_BESIDE;
+    beside a TMA one (which fills its SM) they keep their tile."""
     start = np.zeros(6, dtype=np.int64)
     end = np.array([400, 400, 400, 400, 100, 100])
-    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, num_sms=4)
+    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, num_sms=8,
+                             **RULE)
     tall = Launch(64, 64, 4, 6, 4, 3)
     leaf = Launch(16, 64, 0, 2, 4, 2, contig=True)
     gathered, short = Launch(16, 64, 2, 3, 4, 2), Launch(32, 32, 3, 4, 4, 2, contig=True)
@@ -114,8 +147,11 @@ def test_persistent_tile_and_the_launches_beside_it():
     assert out[1].programs == 4 and out[0] == leaf
     out = rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=4)  # fp32: seven stages would not fit
     assert out[1] == dataclasses.replace(tall, programs=4) and tile(out[0]) == TILE_BESIDE
+    tma = Launch(128, 128, 4, 6, 8, 3, contig=True, tma=True)
+    out = rule((leaf, tma), group=BESIDE_MIN_GROUP, elem_bytes=2)
+    assert out == (leaf, dataclasses.replace(tma, programs=2))
     # no persistent launch, no change beside
-    assert rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=2, num_sms=22) == (leaf, tall)  # 32 programs
+    assert rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=2, num_sms=64) == (leaf, tall)  # 16 programs
 
 
 def gapped_tree() -> DecodingTree:
@@ -135,7 +171,8 @@ def test_plan_beside_a_persistent_launch_matches_reference_and_updates(rng, devi
     TILE_BESIDE gives the reference output; its lazy update after a step keeps both tiles where a
     fresh plan of the grown tree has them (new slots that follow the leaves' keep them contig)."""
     tree = gapped_tree()
-    cost = CostModel(tma=False, pdl=True, num_sms=2, tall_first_s=0.0)
+    cost = CostModel(tma=False, pdl=True, num_sms=2, tall_first_s=0.0, persist_min_leaf_entries=0,
+                     persist_share_gathered=1.0)
     attn = TreeAttention(device=device, backend="triton", streams=0, cost=cost)
     plan = attn.plan(tree, num_qo_heads=16, num_kv_heads=2, head_dim=32, dtype=torch.float16, strategy="greedy")
     assert [(ln.block_m, tile(ln), ln.programs) for ln in plan.launches] == [
@@ -165,7 +202,7 @@ def test_plans_run_their_tall_launch_persistent_only_with_pdl():
     tree = tree_from_spec("1,8,512_512,512,256")
     heads = HeadConfig(64, 8, 128, torch.float16)
     plan = make_plan(tree, heads, strategy="greedy", cost=CostModel(tma=True, pdl=True))
-    assert plan.tall_first and [ln.programs for ln in plan.launches] == [0, CostModel().num_sms]
+    assert plan.tall_first and [ln.programs for ln in plan.launches] == [0, 86]
     assert plan.merge_launch == -1 and "persistent programs" in plan.explain()
     side = make_plan(tree, heads, strategy="greedy", cost=CostModel(tma=True))
     assert not any(ln.programs for ln in side.launches)
@@ -186,5 +223,5 @@ def test_lazy_update_keeps_the_persistent_launch(rng):
     updated = update_plan(plan, grown)
     fresh = make_plan(grown, heads, strategy="greedy", cost=cost)
     assert updated is not None and updated.merge_launch == fresh.merge_launch == -1
-    assert [ln.programs for ln in updated.launches] == [ln.programs for ln in fresh.launches] == [0, cost.num_sms]
+    assert [ln.programs for ln in updated.launches] == [ln.programs for ln in fresh.launches] == [0, 86]
     assert updated.launches == fresh.launches

@@ -71,7 +71,7 @@ def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
     :func:`~treeattn.plan.addressing.persistent_tile`)."""
     m, n, warps, stages, contig, tma = cfg
     return (pdl and may_persist(m, contig=contig, tma=tma, group=heads.group)
-            and (n, warps, stages) == persistent_tile(n, warps, stages, elem_bytes=heads.elem_bytes))
+            and (n, warps, stages) == persistent_tile(n, warps, stages, elem_bytes=heads.elem_bytes, tma=tma))
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,

@@ -3,8 +3,8 @@ of consecutive slots, and which launches of a plan compute their K/V addresses (
 tile) instead of loading them from the slot list; gathered launches of many 32-row programs run
 two warps a program; tall launches over whole tiles take the select-free softmax step
 (:attr:`~treeattn.plan.plan.Launch.split_tail`), and over long runs tensor-descriptor loads
-(:attr:`~treeattn.plan.plan.Launch.tma`); a gathered tall launch beside a large leaf launch runs
-persistent (:attr:`~treeattn.plan.plan.Launch.programs`)."""
+(:attr:`~treeattn.plan.plan.Launch.tma`); a tall launch beside a large leaf launch runs
+persistent on part of the SMs (:attr:`~treeattn.plan.plan.Launch.programs`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,12 +43,11 @@ DEEP_PIPELINE_MIN_TOKENS = 1024
 #: units ends in a partial KV tile, or when their units average SPLIT_TAIL_TILES tiles or more
 SPLIT_TAIL_ROWS = 64
 SPLIT_TAIL_TILES = 32
-#: A plan's one gathered launch of query tiles of at least PERSIST_ROWS rows runs persistent, one
-#: program a SM at its :func:`persistent_tile`, when it has PERSIST_MIN_WAVES x SMs programs or
-#: more, the launches of shorter tiles read PERSIST_MIN_LEAF_RATIO times its KV entries (counted
-#: for 128-row tiles) or more and the GQA group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
+#: A plan's largest launch of query tiles of at least PERSIST_ROWS rows, gathered or through TMA,
+#: runs persistent at its :func:`persistent_tile` over part of the SMs where the launches of
+#: shorter tiles read PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or
+#: more and the GQA group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
 PERSIST_ROWS = 64
-PERSIST_MIN_WAVES = 1.5
 PERSIST_MIN_LEAF_RATIO = 2.0
 PERSIST_MIN_GROUP = 4
 #: Beside a persistent launch, at GQA groups of BESIDE_MIN_GROUP or more, the launches of shorter
@@ -251,17 +250,17 @@ def may_persist(block_m: int, *, contig: bool, tma: bool, group: int) -> bool:
     """A launch of this query tile and addressing, in a plan of this GQA ``group``, is one that
     :func:`persistent_tall` may make persistent (what :func:`treeattn.precompile.precompile`
     compiles so, at its :func:`persistent_tile`)."""
-    return group >= PERSIST_MIN_GROUP and block_m >= PERSIST_ROWS and not contig and not tma
+    return group >= PERSIST_MIN_GROUP and block_m >= PERSIST_ROWS and contig == tma
 
 
-def persistent_tile(block_n: int, num_warps: int, num_stages: int, *, elem_bytes: int) -> tuple:
-    """The ``(block_n, num_warps, num_stages)`` of a gathered launch planned at this one that
-    :func:`persistent_tall` makes persistent: :data:`TILE_TALL_GATHERED` where a 128-row launch
-    of it would take that tile (16-bit caches, 64-token tiles planned), at any query tile. One
-    program a SM, the deepest pipeline pays: the deep ``paths`` trees' 64-row launch at 32/8
-    (64-token tiles, 3 stages planned) ran 1.048 / 1.050x faster on an H200
-    (benchmarks/probe_tall_footprint.py, h200_probe_leaf_beside.json; NOTES.md, session 36)."""
-    if _gathered_tall(TALL_CONTIG_ROWS, block_n, elem_bytes):
+def persistent_tile(block_n: int, num_warps: int, num_stages: int, *, elem_bytes: int, tma: bool = False) -> tuple:
+    """The ``(block_n, num_warps, num_stages)`` of a launch planned at this one that
+    :func:`persistent_tall` makes persistent: a TMA launch keeps its tile; a gathered one takes
+    :data:`TILE_TALL_GATHERED` where a 128-row launch of it would (16-bit caches, 64-token tiles
+    planned), at any query tile. One program a SM, the deepest pipeline pays: the deep ``paths``
+    trees' 64-row launch at 32/8 (64-token tiles, 3 stages planned) ran 1.048 / 1.050x faster on
+    an H200 (benchmarks/probe_tall_footprint.py, h200_probe_leaf_beside.json; NOTES.md, session 36)."""
+    if not tma and _gathered_tall(TALL_CONTIG_ROWS, block_n, elem_bytes):
         return TILE_TALL_GATHERED
     return block_n, num_warps, num_stages
 
@@ -274,7 +273,7 @@ def beside_configs(block_m: int, block_n: int) -> list:
 
 def beside_persistent(launches, *, group: int) -> tuple:
     """``launches`` with those of shorter tiles than :data:`PERSIST_ROWS` that compute their
-    addresses over 64-token (or wider) KV tiles at :data:`TILE_BESIDE` where one launch is
+    addresses over 64-token (or wider) KV tiles at :data:`TILE_BESIDE` where a gathered launch is
     persistent and the GQA ``group`` is :data:`BESIDE_MIN_GROUP` or more.
 
     Beside a persistent tall program (~147 KB of shared memory and half an SM's registers) an
@@ -283,8 +282,9 @@ def beside_persistent(launches, *, group: int) -> tuple:
     h200_probe_leaf_beside.json, three alternating rounds): every such plan of the suite at 64/8
     (16-row leaf launches) 1.004-1.026x; at 32/8 the two such plans (the deep trees) 0.985x, and
     32-token tiles in two stages, 16-token tiles, two warps or 64-token tiles in three stages
-    lost at both."""
-    if group < BESIDE_MIN_GROUP or not any(ln.programs for ln in launches):
+    lost at both. A persistent TMA program fills its SM, so the leaves run on the others, where
+    this tile lost (``1,8,512_32,2048,256``: 0.98x at 64/8, 0.99x at 32/8, session 37)."""
+    if group < BESIDE_MIN_GROUP or not any(ln.programs and not ln.tma for ln in launches):
         return tuple(launches)
     block_n, num_warps, num_stages = TILE_BESIDE
     return tuple(dataclasses.replace(ln, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
@@ -293,44 +293,70 @@ def beside_persistent(launches, *, group: int) -> tuple:
 
 
 def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, num_kv_heads: int,
-                    num_sms: int, *, group: int, elem_bytes: int) -> tuple:
-    """``launches`` (run tallest first, in order on one stream with PDL) with their one gathered
-    launch of tall query tiles persistent over one program a SM (:attr:`Launch.programs`) where
-    it has :data:`PERSIST_MIN_WAVES` waves of programs or more (measured at 1.9-3.9), the
-    launches of shorter tiles read :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled
-    to 128-row tiles) or more, and the GQA ``group`` is :data:`PERSIST_MIN_GROUP` or more (where
-    tall tiles are compute-bound; without GQA these plans run at their HBM roofline, and the
-    rule was not measured there).
+                    num_sms: int, *, group: int, elem_bytes: int, share_gathered: float, share_tma: float,
+                    min_leaf_entries: int) -> tuple:
+    """``launches`` (run tallest first, in order on one stream with PDL) with their largest
+    launch of tall query tiles, gathered or through TMA, persistent over part of the SMs
+    (:attr:`Launch.programs`) where the launches of shorter tiles read
+    :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled to 128-row tiles) and
+    ``min_leaf_entries`` KV entries x KV heads or more (the
+    :class:`~treeattn.plan.cost.CostModel`'s: 256 MB at head_dim 128 in 16 bits, 60 us of HBM
+    time on an H200), and the GQA ``group`` is :data:`PERSIST_MIN_GROUP` or more (where tall
+    tiles are compute-bound; without GQA these plans run at their HBM roofline, and the rule was
+    not measured there).
+
+    Its ``W`` programs (units x KV heads) become ``ceil(W / R)`` persistent ones, each running
+    ``R`` units or one fewer, ``R = ceil(W / (share x num_sms))``: ``share_gathered`` for a
+    gathered launch and ``share_tma`` for a TMA one; none where ``W`` fits in one round.
 
     A launch's programs start only once every program of the launch before it has: a tall
     launch of two waves keeps the leaf programs out until its last wave, and the plan costs
     about the sum of a compute-bound and a memory-bound launch. Persistent, it starts whole, and
-    the leaf programs run beside it on what it leaves of each SM, at the cost of half the tall
-    launch's own rate. On an H200 (benchmarks/NOTES.md, session 35; with the merge launch where
-    the plan would fold, as the fold makes every leaf program wait for the tall launch): the
-    gathered 128-row launches at 64/8 of ``1,8,512_512,512,256``, ``1,8,512_32,512,256`` and
-    the deep ``paths`` tree 1.02-1.06x, the deep tree's 64-row one at 32/8 1.03x; tall-heavy
-    plans lose (``1,4,16,512_1024,256,128,32`` at 64/8, leaves 0.36 of the tall launch's KV:
-    0.89x), and so do TMA tall launches (one program fills an SM: 0.89-0.96x) and launches
-    already within one wave (0.95-0.99x). The persistent launch takes its :func:`persistent_tile`
-    and the launches beside it may take :func:`beside_persistent`'s tile (session 36); tall
-    launches of a smaller footprint (contig 32-token tiles in 2-3 stages, gathered ones in 3-4,
-    TMA tiles made contig) lost 0.53-0.99x (h200_probe_tall_footprint.json)."""
+    the leaf launch gets the rest of the GPU from the start: the SMs it leaves alone and, beside
+    a gathered program (~147 KB of shared memory), one leaf program an SM. On an H200 with the
+    merge launch (the fold would make every leaf program wait for the tall launch):
+    - one program a SM (session 35): the gathered launches at 64/8 of ``1,8,512_512,512,256``,
+      ``1,8,512_32,512,256`` and the deep ``paths`` tree 1.02-1.06x, the deep tree's 64-row
+      one at 32/8 1.03x; tall-heavy plans lose (``1,4,16,512_1024,256,128,32`` at 64/8, leaves
+      0.36 of the tall launch's KV: 0.89x), and so do TMA launches (0.89-0.96x: they fill every
+      SM) and launches within one wave (0.95-0.99x);
+    - over part of the SMs (session 37, benchmarks/probe_tall_footprint.py ``N<n>`` variants,
+      h200_probe_tall_sms*.json), against the plans of session 36: the TMA launch of
+      ``1,8,512_32,2048,256`` at 64/8 (256 programs) 1.084-1.091x over 64 programs (1.03x over
+      56 or 96), at 32/8 (128) 1.02-1.03x over 56-64; the gathered ones of
+      ``1,8,512_512,512,256`` at 64/8 (256) 1.058-1.062x over 96 (0.90x over 80: a fourth
+      round), at 32/8 (128) 1.025x over 56-80; the deep trees at 64/8 (512) 1.04-1.05x over
+      80-96, at 32/8 1.01x. A gathered program leaves room for a leaf program beside it, so its
+      launch takes more SMs. Plans of smaller leaf launches lost: ``4,16,256,512_512,32,128,32``
+      at 32/8 (leaves 0.39M entries x heads) 0.988x, ToT docmerge at 64/8 (0.17M) 0.938x,
+      ``1,50_4000,200`` at 32/8 (0.11M) 0.867x (h200_probe_persist_share.json): in a short plan
+      the tall launch's added rounds are its critical path.
+
+    The persistent launch takes its :func:`persistent_tile` and the launches beside a gathered
+    one :func:`beside_persistent`'s tile (session 36); tall launches of a smaller footprint
+    (contig 32-token tiles in 2-3 stages, gathered ones in 3-4, TMA tiles made contig) lost
+    0.53-0.99x (h200_probe_tall_footprint.json)."""
     tall = [i for i, ln in enumerate(launches) if ln.block_m >= PERSIST_ROWS]
-    if len(tall) != 1 or len(launches) < 2:
-        return tuple(launches)
-    i = tall[0]
-    ln = launches[i]
-    if (not may_persist(ln.block_m, contig=ln.contig, tma=ln.tma, group=group)
-            or (ln.work_end - ln.work_start) * num_kv_heads < PERSIST_MIN_WAVES * num_sms):
+    if not tall or len(launches) < 2:
         return tuple(launches)
 
     def entries(x) -> int:
         return int((work_kv_end[x.work_start: x.work_end] - work_kv_start[x.work_start: x.work_end]).sum())
 
-    leaf = sum(entries(x) for x in launches if x.block_m < PERSIST_ROWS)
-    if leaf < PERSIST_MIN_LEAF_RATIO * entries(ln) * ln.block_m / TALL_CONTIG_ROWS:
+    i = max(tall, key=lambda j: entries(launches[j]))
+    ln = launches[i]
+    if not may_persist(ln.block_m, contig=ln.contig, tma=ln.tma, group=group):
         return tuple(launches)
-    block_n, num_warps, num_stages = persistent_tile(ln.block_n, ln.num_warps, ln.num_stages, elem_bytes=elem_bytes)
-    ln = dataclasses.replace(ln, programs=num_sms, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    leaf = sum(entries(x) for x in launches if x.block_m < PERSIST_ROWS)
+    if (leaf < PERSIST_MIN_LEAF_RATIO * entries(ln) * ln.block_m / TALL_CONTIG_ROWS
+            or leaf * num_kv_heads < min_leaf_entries):
+        return tuple(launches)
+    work = (ln.work_end - ln.work_start) * num_kv_heads
+    rounds = -(-work // max(1, int((share_tma if ln.tma else share_gathered) * num_sms)))
+    if rounds < 2:
+        return tuple(launches)
+    block_n, num_warps, num_stages = persistent_tile(ln.block_n, ln.num_warps, ln.num_stages, elem_bytes=elem_bytes,
+                                                     tma=ln.tma)
+    ln = dataclasses.replace(ln, programs=-(-work // rounds), block_n=block_n, num_warps=num_warps,
+                             num_stages=num_stages)
     return beside_persistent(tuple(launches[:i]) + (ln,) + tuple(launches[i + 1:]), group=group)

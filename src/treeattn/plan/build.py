@@ -358,7 +358,9 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     tall_first = cost.tall_first(longest_s)
     if tall_first and cost.pdl:
         launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms,
-                                   group=heads.group, elem_bytes=heads.elem_bytes)
+                                   group=heads.group, elem_bytes=heads.elem_bytes,
+                                   share_gathered=cost.persist_share_gathered, share_tma=cost.persist_share_tma,
+                                   min_leaf_entries=cost.persist_min_leaf_entries)
     launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes

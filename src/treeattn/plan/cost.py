@@ -138,6 +138,14 @@ class CostModel:
     #: 36 of groups 1 and 4 (32/32, 64/64, 32/8; up to 15-19 us, 12%): the group decides, not the
     #: head count. (On an H100, group 1 gained up to 2%.)
     merge_last_min_group: int = 8
+    #: a plan's persistent tall launch (:func:`~treeattn.plan.addressing.persistent_tall`) runs
+    #: over at most this share of the SMs, gathered or through TMA (a TMA program fills its SM,
+    #: a gathered one leaves room for a leaf program), where the leaf launches read this many KV
+    #: entries x KV heads or more (256 MB at head_dim 128 in 16 bits). Set on an H200
+    #: (benchmarks/probe_tall_footprint.py, probe_persist.py; NOTES.md, session 37)
+    persist_share_gathered: float = 0.72
+    persist_share_tma: float = 0.5
+    persist_min_leaf_entries: int = 1 << 19
     # -- item shaping (decide the plans; not fitted)
     #: programs the attention grid should have before long items are split
     target_programs: int = 1056

@@ -97,14 +97,14 @@ def _with_hints(launch, now):
     """``launch`` with the patched plan's ``split_tail`` hint (kept, not re-checked: grown units may
     end in a partial tile, which the kernel runs after the loop), its persistence and persistent
     tile where it still gathers (:func:`~treeattn.plan.addressing.persistent_tall`: grown leaves
-    only add to the leaf launches) and, where it still reads runs, its TMA tile (grown units are no
-    shorter: :func:`~treeattn.plan.addressing.tma_launches`)."""
-    if now.programs and not launch.contig:
+    only add to the leaf launches) and, where it still reads runs, its TMA tile and persistence
+    (grown units are no shorter: :func:`~treeattn.plan.addressing.tma_launches`)."""
+    if now.programs and not launch.contig and not now.tma:
         launch = _replace(launch, programs=now.programs, block_n=now.block_n, num_warps=now.num_warps,
                           num_stages=now.num_stages)
     if now.tma and launch.contig:
         return _replace(launch, block_n=now.block_n, num_warps=now.num_warps, num_stages=now.num_stages,
-                        split_tail=True, tma=True)
+                        split_tail=True, tma=True, programs=now.programs)
     return _replace(launch, split_tail=now.split_tail) if launch.split_tail != now.split_tail else launch
 
 
