@@ -196,6 +196,27 @@ def test_plan_beside_a_persistent_launch_matches_reference_and_updates(rng, devi
         assert rel_l2(attn.run(*args, p), ref) <= TOL[torch.float16]
 
 
+def test_lazy_update_keeps_a_persistent_tma_launch():
+    """A TMA tall launch over part of the SMs stays so through a lazy update that re-checks every
+    launch's runs (new slots that follow the leaves'), as in a fresh plan of the grown tree."""
+    n, lengths = 16, [40, 1024, 1024] + [200] * 32
+    parents = [-1, 0, 0] + [1] * n + [2] * n
+    starts = np.cumsum([0] + [length + 8 * (i >= 3) for i, length in enumerate(lengths)])
+    kv = np.concatenate([s + np.arange(length) for s, length in zip(starts, lengths)])
+    tree = DecodingTree.from_parents(parents, lengths, query_nodes=list(range(3, 35)), kv_indices=kv,
+                                     page_size=1, num_slots=int(starts[-1]) + 64)
+    attn = TreeAttention(streams=0, cost=CostModel(tma=True, pdl=True, num_sms=4, tall_first_s=0.0,
+                                                   persist_min_leaf_entries=0))
+    kw = dict(num_qo_heads=16, num_kv_heads=2, head_dim=128, dtype=torch.float16, strategy="node")
+    plan = attn.plan(tree, **kw)
+    assert [(ln.tma, ln.programs) for ln in plan.launches if ln.block_m == 128 and ln.tma] == [(True, 2)]
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
+    counts[tree.query_nodes] = 1
+    grown = tree.append(counts, tree.kv_indices[tree.kv_indptr[tree.query_nodes + 1] - 1] + 1)
+    updated = attn.update(plan, grown)
+    assert updated.launches == attn.plan(grown, **kw).launches
+
+
 def test_plans_run_their_tall_launch_persistent_only_with_pdl():
     """The builder applies the rule to tall-first plans run with PDL, and their last launch then
     does not fold (its programs would wait for the tall launch)."""
@@ -208,20 +229,24 @@ def test_plans_run_their_tall_launch_persistent_only_with_pdl():
     assert not any(ln.programs for ln in side.launches)
 
 
-def test_lazy_update_keeps_the_persistent_launch(rng):
-    """The lazy update of a plan with a persistent tall launch keeps it persistent (grown leaves only
-    add to the leaf launch), as a fresh plan of the grown tree would, and still does not fold."""
+@pytest.mark.parametrize("spec, strategy", [("1,8,512_512,512,256", "greedy"), ("1,8,512_32,2048,256", "node")])
+def test_lazy_update_keeps_the_persistent_launch(rng, spec, strategy):
+    """The lazy update of a plan with a persistent tall launch, gathered or TMA, keeps it
+    persistent (grown leaves only add to the leaf launch), as a fresh plan of the grown tree
+    would, and still does not fold."""
     from treeattn.plan.update import update_plan
 
-    tree = tree_from_spec("1,8,512_512,512,256")
+    tree = tree_from_spec(spec)
     heads = HeadConfig(64, 8, 128, torch.float16)
     cost = CostModel(tma=True, pdl=True)
-    plan = make_plan(tree, heads, strategy="greedy", cost=cost)
+    plan = make_plan(tree, heads, strategy=strategy, cost=cost)
+    assert any(ln.programs for ln in plan.launches)
     counts = np.zeros(tree.num_nodes, dtype=np.int64)
     counts[tree.query_nodes] = 1
     grown = tree.append(counts, int(tree.kv_indices.max()) + 1 + rng.permutation(tree.num_queries))
     updated = update_plan(plan, grown)
-    fresh = make_plan(grown, heads, strategy="greedy", cost=cost)
+    fresh = make_plan(grown, heads, strategy=strategy, cost=cost)
     assert updated is not None and updated.merge_launch == fresh.merge_launch == -1
-    assert [ln.programs for ln in updated.launches] == [ln.programs for ln in fresh.launches] == [0, 86]
+    assert [ln.programs for ln in updated.launches] == [ln.programs for ln in fresh.launches] == \
+        [ln.programs for ln in plan.launches]
     assert updated.launches == fresh.launches

@@ -139,3 +139,19 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
     monkeypatch.setattr(pc.subprocess, "Popen", Proc)
     pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, 2, False)  # (uncached)
     assert len(argv) == 2 and all("--no-merge-last" in a for a in argv)
+
+
+def test_persistent_configs_include_the_tma_tall_tile():
+    """With PDL and TMA at a GQA group of 4+, precompile compiles the TMA tall tile persistent too
+    (:func:`~treeattn.plan.addressing.persistent_tall` runs it over part of the SMs), the gathered
+    tall launches at their persistent tile, and no contig launch that computes its addresses
+    without TMA; without PDL, none."""
+    from treeattn.plan.addressing import TILE_TALL_GATHERED, TILE_TALL_TMA
+
+    heads = HeadConfig(32, 8, 128, torch.float16)
+    configs = pc.launch_configs(heads, tma=True, pdl=True)
+    persistent = {c for c in configs if pc.persists(heads, c, pdl=True)}
+    assert (128, *TILE_TALL_TMA, True, True) in persistent
+    assert (128, *TILE_TALL_GATHERED, False, False) in persistent
+    assert not any(contig and not tma for *_, contig, tma in persistent)
+    assert not any(pc.persists(heads, c, pdl=False) for c in configs)
