@@ -18,6 +18,7 @@ from treeattn.plan.addressing import (
     BESIDE_MIN_GROUP,
     PERSIST_MIN_GROUP,
     PERSIST_MIN_LEAF_RATIO,
+    PERSIST_PARTITION_RATIO,
     TILE_BESIDE,
     TILE_TALL_GATHERED,
     persistent_tall,
@@ -76,7 +77,9 @@ def test_persistent_tall_rule():
     """The largest launch of tall tiles, gathered or through TMA, beside leaf launches that read at
     least PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles) and ``min_leaf_entries`` KV
     entries x KV heads, at a GQA group of PERSIST_MIN_GROUP or more, runs persistent over
-    ``ceil(W / R)`` programs, ``R = ceil(W / (share x SMs))`` rounds of its ``W``; nothing else does."""
+    ``ceil(W / R)`` programs, ``R = ceil(W / (share x SMs))`` rounds of its ``W`` (a gathered
+    one beside leaves of under PERSIST_PARTITION_RATIO times its KV: one program a SM from
+    PERSIST_MIN_WAVES waves); nothing else does."""
     start = np.zeros(6, dtype=np.int64)
     end = np.array([400, 400, 400, 400, 100, 100])  # leaf units 0-3 (1600 entries), tall 4-5 (200)
     leaf, tall = Launch(16, 64, 0, 4), Launch(128, 32, 4, 6, 4, 7)
@@ -105,23 +108,32 @@ def test_persistent_tall_rule():
     assert rule((leaf, tall), work_kv_end=short, num_sms=8, group=8) == (leaf, tall)
     half = dataclasses.replace(tall, block_m=64)
     assert rule((leaf, half), work_kv_end=short, num_sms=8, group=8)[1].programs == 4
+    # under PERSIST_PARTITION_RATIO times its entries, a gathered launch runs over one program a SM
+    # where it has PERSIST_MIN_WAVES waves of programs (16 here), a TMA one over its share
+    fewer = end.copy()
+    fewer[:4] = PERSIST_PARTITION_RATIO * 200 / 4 - 1
+    assert rule((leaf, tall), work_kv_end=fewer, num_sms=10, group=8)[1].programs == 10
+    assert rule((leaf, tall), work_kv_end=fewer, num_sms=11, group=8) == (leaf, tall)
+    assert rule((leaf, tma), work_kv_end=fewer, num_sms=8, group=8)[1].programs == 2
 
 
 def test_builder_shares_the_sms_by_cost_model():
     """The builder takes the shares and the leaf minimum from the CostModel: on an H200 the TMA tall
     launch of ``1,8,512_32,2048,256`` at 64/8 (256 programs) runs over 64 (4 rounds over half the
     SMs) and the gathered one of ``1,8,512_512,512,256`` over 86 (3 rounds over 0.72 of them);
-    ``1,50_4000,200``'s leaves (0.11M KV entries x heads) are too few."""
+    ``4,16,256,512_512,32,128,32``'s leaves at 32/8 (0.39M KV entries x heads) are too few;
+    ``1,32,512_512,1024,256``'s
+    gathered launch (leaves 2.67x its KV) runs over one program a SM."""
     heads = HeadConfig(64, 8, 128, torch.float16)
     cost = CostModel(tma=True, pdl=True)
-    for spec, programs in (("1,8,512_32,2048,256", [0, 0, 64]), ("1,8,512_512,512,256", [0, 86])):
+    for spec, programs in (("1,8,512_32,2048,256", [0, 0, 64]), ("1,8,512_512,512,256", [0, 86]),
+                           ("1,32,512_512,1024,256", [0, cost.num_sms])):
         plan = make_plan(tree_from_spec(spec), heads, cost=cost)
         assert [ln.programs for ln in plan.launches] == programs, spec
-    few = make_plan(tree_from_spec("1,50_4000,200"), HeadConfig(32, 8, 128, torch.float16), cost=cost)
-    assert not any(ln.programs for ln in few.launches)
+    forest, heads = tree_from_spec("4,16,256,512_512,32,128,32"), HeadConfig(32, 8, 128, torch.float16)
+    assert not any(ln.programs for ln in make_plan(forest, heads, cost=cost).launches)
     low = dataclasses.replace(cost, persist_min_leaf_entries=0)
-    few = make_plan(tree_from_spec("1,50_4000,200"), HeadConfig(32, 8, 128, torch.float16), cost=low)
-    assert any(ln.programs for ln in few.launches)
+    assert any(ln.programs for ln in make_plan(forest, heads, cost=low).launches)
 
 
 def tile(ln) -> tuple:

@@ -44,11 +44,15 @@ DEEP_PIPELINE_MIN_TOKENS = 1024
 SPLIT_TAIL_ROWS = 64
 SPLIT_TAIL_TILES = 32
 #: A plan's largest launch of query tiles of at least PERSIST_ROWS rows, gathered or through TMA,
-#: runs persistent at its :func:`persistent_tile` over part of the SMs where the launches of
-#: shorter tiles read PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or
-#: more and the GQA group is PERSIST_MIN_GROUP or more (:func:`persistent_tall`)
+#: runs persistent at its :func:`persistent_tile` where the launches of shorter tiles read
+#: PERSIST_MIN_LEAF_RATIO times its KV entries (counted for 128-row tiles) or more and the GQA
+#: group is PERSIST_MIN_GROUP or more: over part of the SMs where it is TMA or they read
+#: PERSIST_PARTITION_RATIO times its KV or more, else over one program a SM where it has
+#: PERSIST_MIN_WAVES x SMs programs or more (:func:`persistent_tall`)
 PERSIST_ROWS = 64
 PERSIST_MIN_LEAF_RATIO = 2.0
+PERSIST_PARTITION_RATIO = 3.5
+PERSIST_MIN_WAVES = 1.5
 PERSIST_MIN_GROUP = 4
 #: Beside a persistent launch, at GQA groups of BESIDE_MIN_GROUP or more, the launches of shorter
 #: tiles that compute their addresses over 64-token KV tiles take TILE_BESIDE (:func:`beside_persistent`)
@@ -305,9 +309,12 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     tiles are compute-bound; without GQA these plans run at their HBM roofline, and the rule was
     not measured there).
 
-    Its ``W`` programs (units x KV heads) become ``ceil(W / R)`` persistent ones, each running
-    ``R`` units or one fewer, ``R = ceil(W / (share x num_sms))``: ``share_gathered`` for a
-    gathered launch and ``share_tma`` for a TMA one; none where ``W`` fits in one round.
+    A TMA launch, or a gathered one whose leaves read :data:`PERSIST_PARTITION_RATIO` times its
+    KV or more, keeps to part of the SMs: its ``W`` programs (units x KV heads) become
+    ``ceil(W / R)`` persistent ones, each running ``R`` units or one fewer,
+    ``R = ceil(W / (share x num_sms))``: ``share_gathered`` for a gathered launch and
+    ``share_tma`` for a TMA one; none where ``W`` fits in one round. Other gathered launches run
+    over one program a SM where ``W`` is :data:`PERSIST_MIN_WAVES` x ``num_sms`` or more.
 
     A launch's programs start only once every program of the launch before it has: a tall
     launch of two waves keeps the leaf programs out until its last wave, and the plan costs
@@ -330,7 +337,10 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
       launch takes more SMs. Plans of smaller leaf launches lost: ``4,16,256,512_512,32,128,32``
       at 32/8 (leaves 0.39M entries x heads) 0.988x, ToT docmerge at 64/8 (0.17M) 0.938x,
       ``1,50_4000,200`` at 32/8 (0.11M) 0.867x (h200_probe_persist_share.json): in a short plan
-      the tall launch's added rounds are its critical path.
+      the tall launch's added rounds are its critical path. On trees outside the suite
+      (h200_probe_persist_share_unseen.json), gathered launches whose leaves read 3.56-3.88x
+      their KV gained 1.049-1.061x over one program a SM, those at 2.67x and 3.2x lost 0.904x
+      and 0.985x: a launch with more of the plan's work needs more of the SMs.
 
     The persistent launch takes its :func:`persistent_tile` and the launches beside a gathered
     one :func:`beside_persistent`'s tile (session 36); tall launches of a smaller footprint
@@ -348,15 +358,21 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     if not may_persist(ln.block_m, contig=ln.contig, tma=ln.tma, group=group):
         return tuple(launches)
     leaf = sum(entries(x) for x in launches if x.block_m < PERSIST_ROWS)
-    if (leaf < PERSIST_MIN_LEAF_RATIO * entries(ln) * ln.block_m / TALL_CONTIG_ROWS
-            or leaf * num_kv_heads < min_leaf_entries):
+    tall_entries = entries(ln) * ln.block_m / TALL_CONTIG_ROWS
+    if leaf < PERSIST_MIN_LEAF_RATIO * tall_entries or leaf * num_kv_heads < min_leaf_entries:
         return tuple(launches)
     work = (ln.work_end - ln.work_start) * num_kv_heads
-    rounds = -(-work // max(1, int((share_tma if ln.tma else share_gathered) * num_sms)))
-    if rounds < 2:
+    if ln.tma or leaf >= PERSIST_PARTITION_RATIO * tall_entries:
+        rounds = -(-work // max(1, int((share_tma if ln.tma else share_gathered) * num_sms)))
+        if rounds < 2:
+            return tuple(launches)
+        programs = -(-work // rounds)
+    elif work >= PERSIST_MIN_WAVES * num_sms:
+        programs = num_sms
+    else:
         return tuple(launches)
     block_n, num_warps, num_stages = persistent_tile(ln.block_n, ln.num_warps, ln.num_stages, elem_bytes=elem_bytes,
                                                      tma=ln.tma)
-    ln = dataclasses.replace(ln, programs=-(-work // rounds), block_n=block_n, num_warps=num_warps,
+    ln = dataclasses.replace(ln, programs=programs, block_n=block_n, num_warps=num_warps,
                              num_stages=num_stages)
     return beside_persistent(tuple(launches[:i]) + (ln,) + tuple(launches[i + 1:]), group=group)
