@@ -300,8 +300,8 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
                     num_sms: int, *, group: int, elem_bytes: int, share_gathered: float, share_tma: float,
                     min_leaf_entries: int) -> tuple:
     """``launches`` (run tallest first, in order on one stream with PDL) with their largest
-    launch of tall query tiles, gathered or through TMA, persistent over part of the SMs
-    (:attr:`Launch.programs`) where the launches of shorter tiles read
+    launch of tall query tiles, gathered or through TMA, persistent (:attr:`Launch.programs`)
+    where the launches of shorter tiles read
     :data:`PERSIST_MIN_LEAF_RATIO` times its KV entries (scaled to 128-row tiles) and
     ``min_leaf_entries`` KV entries x KV heads or more (the
     :class:`~treeattn.plan.cost.CostModel`'s: 256 MB at head_dim 128 in 16 bits, 60 us of HBM
