@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import os
 import sys
 import time
@@ -48,6 +49,11 @@ def checked_error(out, ref, what: str, *, tol: float = 1e-2) -> float:
     if not math.isfinite(err) or err > tol:
         raise SystemExit(f"{what}: relative L2 {err}")
     return err
+
+
+def speedups(ratios: list) -> str:
+    """``"geomean xG [min, max]"`` of the probes' speedup ratios."""
+    return f"geomean x{statistics.geometric_mean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
 
 
 def alternating_graph_us(run, plans: dict, rounds: int) -> dict:

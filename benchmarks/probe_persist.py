@@ -21,10 +21,9 @@ import argparse
 import importlib.util
 import inspect
 import json
-import math
 
 import torch
-from check_gpu import alternating_graph_us, checked_error, reference_fp32
+from check_gpu import alternating_graph_us, checked_error, reference_fp32, speedups
 from probe_direct_saving import trees as shaped_trees
 
 import treeattn.plan.build as build
@@ -103,8 +102,7 @@ def main() -> None:
     for key in rules:
         g = [r["speedup"][key] for r in res["rows"] if key in r["speedup"]]
         if g:
-            print(f"on over {key}: {len(g)} plans, geomean x{math.exp(sum(map(math.log, g)) / len(g)):.3f} "
-                  f"[{min(g):.3f}, {max(g):.3f}]")
+            print(f"on over {key}: {len(g)} plans, {speedups(g)}")
     print(f"{len(res['rows'])} of {res['planned']} plans differ")
     if args.out:
         with open(args.out, "w") as f:

@@ -32,11 +32,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import re
 
 import torch
-from check_gpu import alternating_graph_us, checked_error, reference_fp32
+from check_gpu import alternating_graph_us, checked_error, reference_fp32, speedups
 
 from treeattn import TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
@@ -138,8 +137,7 @@ def main() -> None:
     for name in args.variants:
         g = [min(r["us"]["planned"]) / min(r["us"][name]) for r in res["rows"] if name in r["us"]]
         if g:
-            print(f"{name:22s} {len(g):3d} cases  geomean speedup {math.exp(sum(map(math.log, g)) / len(g)):.3f} "
-                  f"[{min(g):.3f}, {max(g):.3f}]")
+            print(f"{name:22s} {len(g):3d} cases  {speedups(g)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

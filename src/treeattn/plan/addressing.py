@@ -287,7 +287,7 @@ def beside_persistent(launches, *, group: int) -> tuple:
     (16-row leaf launches) 1.004-1.026x; at 32/8 the two such plans (the deep trees) 0.985x, and
     32-token tiles in two stages, 16-token tiles, two warps or 64-token tiles in three stages
     lost at both. A persistent TMA program fills its SM, so the leaves run on the others, where
-    this tile lost (``1,8,512_32,2048,256``: 0.98x at 64/8, 0.99x at 32/8, session 37)."""
+    this tile lost (``1,8,512_32,2048,256``: 0.98x at 64/8 and at 32/8, session 37)."""
     if group < BESIDE_MIN_GROUP or not any(ln.programs and not ln.tma for ln in launches):
         return tuple(launches)
     block_n, num_warps, num_stages = TILE_BESIDE
