@@ -248,6 +248,32 @@ def test_last_launch_merges_like_the_merge_launch(rng, device, strategy, spec, t
     assert rel_l2(out.float(), out2.float()) <= TOL[dtype] and rel_l2(lse, lse2) <= 1e-5
 
 
+@pytest.mark.parametrize("strategy,spec,last", [("paths", "1,2,4,8_16,8,8,3", False), ("node", "1,20_400,20", True),
+                                                 ("sequence", "3_600", False)])
+def test_int64_offsets_match_int32_ones(rng, device, monkeypatch, strategy, spec, last):
+    """The kernel takes int64 element offsets (``WIDE``) only where a tensor spans 2^31
+    elements, too large for a test: with that test forced, the masked, gathered, contig and
+    merging launches give the int32 path's output."""
+    import treeattn.ops as ops
+
+    tree, hq, hkv, d = tree_from_spec(spec), 8, 2, 32
+    q = torch.randn(tree.num_queries, hq, d)
+    k, v = (torch.randn(tree.num_tokens, hkv, d) for _ in range(2))
+    paged, kc, vc = paged_copy(tree, k, v, 16, rng)
+    o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
+    q, kc, vc = (t.to(device) for t in (q, kc, vc))
+    w = TreeAttention(device=device, backend="triton", streams=0, cost=CostModel(
+        side_streams=last, tall_first_s=0.0, merge_last_min_group=1 if last else 64))
+    plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
+    assert plan.merge_last == last
+    narrow = w.run(q, kc, vc, plan)
+    monkeypatch.setattr(ops, "_span", lambda t: 1 << 31)
+    wide = w.run(q, kc, vc, w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32,
+                                   strategy=strategy))
+    assert rel_l2(wide.double().cpu(), o_ref) <= TOL[torch.float32]
+    assert rel_l2(wide.double().cpu(), narrow.double().cpu()) <= 1e-6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and PDL are CUDA launch modes")
 @pytest.mark.parametrize("spec", ["1,8,64_512,256,32", "2,8_300,20"])
 def test_last_launch_merge_on_one_stream_matches_side_streams(spec):

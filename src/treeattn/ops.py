@@ -85,6 +85,11 @@ def launch_cache(plan: Plan) -> dict:
     return plan.__dict__.setdefault("_launch_cache", {})
 
 
+def _span(t: torch.Tensor) -> int:
+    """Elements from ``t``'s first to its last, plus one (0 when empty)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+
+
 def _aligned(*tensors) -> tuple:
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
@@ -192,6 +197,10 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
+    # int64 offsets only where some tensor spans 2^31 elements (a cache past 4 GiB in 16 bits):
+    # int32 ones take about half the address instructions
+    spans = (q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, mask_args[0])
+    wide = max(map(_span, spans)) >= 1 << 31
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
                lse_part.stride(0), out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
@@ -201,7 +210,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         # the plan object) and each launch's config: one key part for all of them
         cache = launch_cache(plan)
         call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None,
-                pdl, merge_last, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
+                pdl, merge_last, wide, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
     if pdl and (side or q.device.type != "cuda"):
         raise ValueError("pdl needs CUDA tensors and no side streams")
     pdl_args = _pdl_kwargs(pdl)
@@ -239,7 +248,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
             WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
-            TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, num_warps=launch.num_warps,
+            TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, WIDE=wide,
+            num_warps=launch.num_warps,
             num_stages=launch.num_stages, **pdl_args)
         _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))
 

@@ -14,12 +14,24 @@ from treeattn.kernels.state import LN2, LOG2E, _fold_state
 
 
 @triton.jit
+def _index(x, WIDE: tl.constexpr):
+    """``x`` as the kernel's element offsets: int64 with ``WIDE`` (some tensor spans 2^31
+    elements or more), else int32, which takes about half the address instructions (int64 adds
+    and multiplies were most of a small tile's integer work; benchmarks/NOTES.md, session 38)."""
+    if WIDE:
+        return x.to(tl.int64)
+    else:
+        return x.to(tl.int32)
+
+
+@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
@@ -48,8 +60,8 @@ def _attend_tile(
             # (benchmarks/probe_segments.py)
             slot = slot_base + offs_n
         else:
-            # int64: page * stride overflows int32 on pools over 2 GiB
-            slot = tl.load(kv_indices + offs_n, mask=n_valid, other=0).to(tl.int64)
+            # (WIDE: page * stride overflows int32 on pools of 2^31 elements)
+            slot = _index(tl.load(kv_indices + offs_n, mask=n_valid, other=0), WIDE)
         # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
         page = slot // PAGE_SIZE
         in_page = slot % PAGE_SIZE
@@ -75,8 +87,8 @@ def _attend_tile(
         if MASKED:
             # a 16-byte record an entry: node range [lo, hi) and its offset in the node less the
             # entry index (one value for a whole segment, so the host builds it by one repeat);
-            # int64, as 4 * entry overflows int32 from 2^29 entries
-            rec = tree_mask + offs_n.to(tl.int64) * 4
+            # (WIDE from 2^29 entries: 4 * entry overflows int32)
+            rec = tree_mask + _index(offs_n, WIDE) * 4
             lo = tl.load(rec, mask=n_valid, other=0)
             hi = tl.load(rec + 1, mask=n_valid, other=0)
             pos = tl.load(rec + 2, mask=n_valid, other=0) + offs_n
@@ -147,16 +159,16 @@ def _attend_unit(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One query tile of work unit ``work`` for KV head ``kv_head`` (K and V already offset to
     the layer's caches): see :func:`_tree_partial_attention_kernel`."""
     kv_start = tl.load(work_kv_start + work)
     kv_end = tl.load(work_kv_end + work)
     # with CONTIG, entry n of the unit is slot slot_base + n
-    slot_base = tl.zeros([], tl.int64)
+    slot_base = _index(tl.zeros([], tl.int32), WIDE)
     if CONTIG:
-        slot_base = tl.load(kv_indices + kv_start).to(tl.int64) - kv_start
+        slot_base = _index(tl.load(kv_indices + kv_start), WIDE) - kv_start
     desc_row = slot_base
     desc_col = kv_head * HEAD_DIM
     if TMA:
@@ -170,7 +182,7 @@ def _attend_unit(
     q_local = offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     row_valid = q_local < num_rows
-    q_idx = tl.load(row_q_indices + row_start + q_local, mask=row_valid, other=0).to(tl.int64)
+    q_idx = _index(tl.load(row_q_indices + row_start + q_local, mask=row_valid, other=0), WIDE)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
     q = tl.load(Q + q_idx[:, None] * stride_qn + head[:, None] * stride_qh + offs_d[None, :],
@@ -182,13 +194,13 @@ def _attend_unit(
     # for the launches before (MERGE_ROWS)
     m_start = tl.zeros([BLOCK_M], tl.int32)
     m_count = m_start
-    r0 = m_start.to(tl.int64) - 1
+    r0 = _index(m_start, WIDE) - 1
     r1 = r0
     if MERGE_ROWS:
         m_start = tl.load(merge_indptr + q_idx, mask=row_valid, other=0)
         m_count = tl.load(merge_indptr + q_idx + 1, mask=row_valid, other=0) - m_start
-        r0 = tl.load(merge_indices + m_start, mask=m_count > 0, other=-1).to(tl.int64)
-        r1 = tl.load(merge_indices + m_start + 1, mask=m_count > 1, other=-1).to(tl.int64)
+        r0 = _index(tl.load(merge_indices + m_start, mask=m_count > 0, other=-1), WIDE)
+        r1 = _index(tl.load(merge_indices + m_start + 1, mask=m_count > 1, other=-1), WIDE)
     split = kv_end
     if HAS_MASK:
         qpos = tl.load(query_pos + q_idx, mask=row_valid, other=-1)
@@ -218,7 +230,7 @@ def _attend_unit(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
@@ -227,7 +239,7 @@ def _attend_unit(
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                     BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
@@ -236,9 +248,9 @@ def _attend_unit(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST)
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
 
-    rows = (row_start + q_local).to(tl.int64)
+    rows = _index(row_start + q_local, WIDE)
     if MERGE_ROWS:
         if PDL:  # (the launch before this one finishes after all the others: see above)
             tl.extra.cuda.gdc_wait()
@@ -248,11 +260,12 @@ def _attend_unit(
         m_i, l_i, acc = _fold_row(m_i, l_i, acc, r1, rows, O_part, LSE_part, head, offs_d, d_valid,
                                   stride_pn, stride_ph, stride_pln)
         for j in range(2, tl.max(m_count, axis=0)):
-            r = tl.load(merge_indices + m_start + j, mask=j < m_count, other=-1).to(tl.int64)
+            r = _index(tl.load(merge_indices + m_start + j, mask=j < m_count, other=-1), WIDE)
             m_i, l_i, acc = _fold_row(m_i, l_i, acc, r, rows, O_part, LSE_part, head, offs_d, d_valid,
                                       stride_pn, stride_ph, stride_pln)
     has = l_i > 0.0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    # one reciprocal a row, then a multiply an element (a division an element is ~8 instructions)
+    o = acc * (1.0 / tl.where(has, l_i, 1.0))[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     if MERGE_ROWS:  # every row is final
         _store_out(Out, LSE_out, q_idx, head, offs_d, d_valid, o, lse, row_valid, stride_on, stride_oh, stride_ln,
@@ -282,7 +295,7 @@ def _tree_partial_attention_kernel(
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr = False, TMA: tl.constexpr = False, MERGE_ROWS: tl.constexpr = False,
-    PERSIST: tl.constexpr = False,
+    PERSIST: tl.constexpr = False, WIDE: tl.constexpr = True,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -340,7 +353,7 @@ def _tree_partial_attention_kernel(
                 stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
                 GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS)
+                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE)
     else:
         if HEADS_INNER:
             # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
@@ -357,7 +370,7 @@ def _tree_partial_attention_kernel(
             stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
             GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS)
+            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE)
     if PDL and not MERGE_ROWS:
         # finish after the launch before (see above; MERGE_ROWS waited before its fold). The
         # grid's last program waiting is enough for that; the others leave their SM slots to the

@@ -17,7 +17,7 @@ def _store_merged(Out, LSE_out, n, offs_h, offs_d, h_valid, hd_mask, m, den, acc
     """Store a merged state (running max ``m``, denominator ``den``, numerator ``acc``) as query
     ``n``'s output rows (0 and an LSE of -inf for heads that saw nothing)."""
     has = den > 0.0
-    out = acc / tl.where(has, den, 1.0)[:, None]
+    out = acc * (1.0 / tl.where(has, den, 1.0))[:, None]  # (a reciprocal a head, not a division an element)
     tl.store(Out + n * stride_on + offs_h[:, None] * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=hd_mask)
     if WRITE_LSE:
