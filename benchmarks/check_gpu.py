@@ -21,6 +21,7 @@ import torch
 import triton
 
 from treeattn import STRATEGIES, TreeAttention
+from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import capture, graph_us, provenance
 from treeattn.reference import visibility_mask
 from treeattn.workloads import suite_trees, tree_from_spec
@@ -49,6 +50,26 @@ def checked_error(out, ref, what: str, *, tol: float = 1e-2) -> float:
     if not math.isfinite(err) or err > tol:
         raise SystemExit(f"{what}: relative L2 {err}")
     return err
+
+
+def case_with_reference(tree, hq: int, hkv: int) -> tuple:
+    """``(q, k, v, out, ref)``: :func:`~treeattn.bench.kernels.case_inputs` of a suite-like case
+    and the fp32 reference of its output (the caches read in the tree's slot order)."""
+    q, k, v, out = case_inputs(tree, hq, hkv)
+    slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)
+    return q, k, v, out, reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
+
+
+def checked_runs(run, plans: dict, ref, what: str) -> dict:
+    """``{name: relative L2}`` of ``run(plan, out)`` for each of ``plans`` against ``ref``, each
+    into a fresh output (:func:`checked_error`: a probe stops on a wrong one)."""
+    errors = {}
+    for name, p in plans.items():
+        o = torch.empty(ref.shape, dtype=torch.float16, device=ref.device)
+        run(p, o)
+        torch.cuda.synchronize()
+        errors[name] = checked_error(o, ref, f"{what} {name}")
+    return errors
 
 
 def speedups(ratios: list) -> str:

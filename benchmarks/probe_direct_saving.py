@@ -16,10 +16,10 @@ import dataclasses
 import json
 
 import torch
-from check_gpu import alternating_graph_us, checked_error, reference_fp32
+from check_gpu import alternating_graph_us, case_with_reference, checked_runs
 
 from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM, case_inputs
+from treeattn.bench.kernels import HEAD_DIM
 from treeattn.bench.timing import provenance
 from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec, tree_from_tot_template
 
@@ -60,16 +60,11 @@ def main() -> None:
             if (a.strategy == b.strategy and a.launches == b.launches and a.num_rows == b.num_rows
                     and a.reason.split("; ")[-1] == b.reason.split("; ")[-1]):
                 continue
-            q, k, v, out = case_inputs(tree, hq, hkv)
-            slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (token order)
-            ref = reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
-            row = {"tree": name, "hq": hq, "hkv": hkv, "err": {},
+            q, k, v, out, ref = case_with_reference(tree, hq, hkv)
+            row = {"tree": name, "hq": hq, "hkv": hkv,
                    "strategy": {key: p.strategy for key, p in plans.items()},
-                   "reason": {key: p.reason for key, p in plans.items()}}
-            for key, p in plans.items():
-                w.run(q, k, v, p, out=out)
-                torch.cuda.synchronize()
-                row["err"][key] = checked_error(out, ref, f"{name} {hq}/{hkv} {key}")
+                   "reason": {key: p.reason for key, p in plans.items()},
+                   "err": checked_runs(lambda p, o: w.run(q, k, v, p, out=o), plans, ref, f"{name} {hq}/{hkv}")}
             row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, args.rounds)
             row["speedup"] = min(row["us"]["old"]) / min(row["us"]["new"])
             res["rows"].append(row)

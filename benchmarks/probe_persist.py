@@ -23,12 +23,12 @@ import inspect
 import json
 
 import torch
-from check_gpu import alternating_graph_us, checked_error, reference_fp32, speedups
+from check_gpu import alternating_graph_us, case_with_reference, checked_runs, speedups
 from probe_direct_saving import trees as shaped_trees
 
 import treeattn.plan.build as build
 from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM, case_inputs
+from treeattn.bench.kernels import HEAD_DIM
 from treeattn.bench.timing import provenance
 from treeattn.workloads import tree_from_spec
 
@@ -80,17 +80,11 @@ def main() -> None:
                                       if (p.launches, p.merge_launch) != (on.launches, on.merge_launch)}
                 if len(plans) == 1:
                     continue
-                q, k, v, out = case_inputs(tree, hq, hkv)
-                slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (token order)
-                ref = reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
+                q, k, v, out, ref = case_with_reference(tree, hq, hkv)
                 row = {"tree": name, "hq": hq, "hkv": hkv, "strategy": on.strategy, "explain": on.explain(),
                        "programs": {key: [ln.programs for ln in p.launches] for key, p in plans.items()},
-                       "err": {}}
-                for key, p in plans.items():
-                    o = torch.empty_like(out)
-                    w.run(q, k, v, p, out=o)
-                    torch.cuda.synchronize()
-                    row["err"][key] = checked_error(o, ref, f"{name} {hq}/{hkv} {strategy} {key}")
+                       "err": checked_runs(lambda p, o: w.run(q, k, v, p, out=o), plans, ref,
+                                           f"{name} {hq}/{hkv} {strategy}")}
                 row["us"] = alternating_graph_us(lambda p: w.run(q, k, v, p, out=out), plans, args.rounds)
                 row["speedup"] = {key: min(ts) / min(row["us"]["on"]) for key, ts in row["us"].items() if key != "on"}
                 res["rows"].append(row)

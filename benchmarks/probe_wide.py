@@ -6,8 +6,9 @@ Premise (session 38, Nsight Compute on an H200, ``ncu_s38.txt``): the masked pat
 deep 1024-leaf trees and the leaf launches are bound by issuing instructions (2 warps a
 scheduler; ALU the busiest pipe at 30-43%), and int64 adds and multiplies are most of their
 integer work. Each case's ``auto`` plan is made twice (two plans, two launch caches) and run
-once per round with ``treeattn.ops._span`` patched to report 2^31 elements for the ``int64``
-one; both outputs are checked against an fp32 reference.
+once per round with ``treeattn.ops._wide`` patched to report a span of 2^31 elements for the
+``int64`` one (session 38's runs patched the function it replaced, ``_span``, alike); both outputs
+are checked against an fp32 reference.
 
 Usage::
 
@@ -19,12 +20,12 @@ import argparse
 import json
 
 import torch
-from check_gpu import checked_error, reference_fp32, speedups
+from check_gpu import alternating_graph_us, case_with_reference, checked_runs, speedups
 
 import treeattn.ops as ops
 from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM, case_inputs
-from treeattn.bench.timing import graph_us, provenance
+from treeattn.bench.kernels import HEAD_DIM
+from treeattn.bench.timing import provenance
 from treeattn.workloads import suite_trees, tree_from_spec
 
 
@@ -35,30 +36,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
-    span = ops._span
-    modes = {"int32": span, "int64": lambda t: 1 << 31}
+    narrow = ops._wide
+    modes = {"int32": narrow, "int64": lambda *args: True}
     res = {**provenance(), "rows": []}
     for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            q, k, v, out = case_inputs(tree, hq, hkv)
-            slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (token order)
-            ref = reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
+            q, k, v, out, ref = case_with_reference(tree, hq, hkv)
             w = TreeAttention(device="cuda")
-            plans = {m: w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM) for m in modes}
+            # (mode, plan) pairs, the mode's test patched in for every run of its plan
+            plans = {m: (modes[m], w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM))
+                     for m in modes}
+
+            def run(mp, o=out):
+                ops._wide = mp[0]
+                w.run(q, k, v, mp[1], out=o)
+
             row = {"tree": spec, "hq": hq, "hkv": hkv, "tree_tokens": tree.num_tokens,
-                   "strategy": plans["int32"].strategy, "err": {}, "us": {m: [] for m in modes}}
-            for m, p in plans.items():
-                ops._span = modes[m]
-                o = torch.empty_like(out)
-                w.run(q, k, v, p, out=o)
-                torch.cuda.synchronize()
-                row["err"][m] = checked_error(o, ref, f"{spec} {hq}/{hkv} {m}")
-            for _ in range(args.rounds):
-                for m, p in plans.items():
-                    ops._span = modes[m]
-                    row["us"][m].append(graph_us(lambda p=p: w.run(q, k, v, p, out=out)))
-            ops._span = span
+                   "strategy": plans["int32"][1].strategy,
+                   "err": checked_runs(run, plans, ref, f"{spec} {hq}/{hkv}"),
+                   "us": alternating_graph_us(run, plans, args.rounds)}
+            ops._wide = narrow
             row["speedup"] = min(row["us"]["int64"]) / min(row["us"]["int32"])
             res["rows"].append(row)
             print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} int64 {min(row['us']['int64']):8.1f} "

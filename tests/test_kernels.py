@@ -266,10 +266,17 @@ def test_int64_offsets_match_int32_ones(rng, device, monkeypatch, strategy, spec
         side_streams=last, tall_first_s=0.0, merge_last_min_group=1 if last else 64))
     plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
     assert plan.merge_last == last
+    launched = []  # (WIDE of every attention launch)
+    launch = ops._launch
+    monkeypatch.setattr(ops, "_launch", lambda kernel, grid, args, kwargs, *rest: (
+        launched.append(kwargs.get("WIDE")), launch(kernel, grid, args, kwargs, *rest)))
     narrow = w.run(q, kc, vc, plan)
-    monkeypatch.setattr(ops, "_span", lambda t: 1 << 31)
+    assert launched and not any(launched)
+    launched.clear()
+    monkeypatch.setattr(ops, "_wide", lambda *args: True)
     wide = w.run(q, kc, vc, w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32,
                                    strategy=strategy))
+    assert {x for x in launched if x is not None} == {True}
     assert rel_l2(wide.double().cpu(), o_ref) <= TOL[torch.float32]
     assert rel_l2(wide.double().cpu(), narrow.double().cpu()) <= 1e-6
 

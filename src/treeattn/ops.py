@@ -85,9 +85,20 @@ def launch_cache(plan: Plan) -> dict:
     return plan.__dict__.setdefault("_launch_cache", {})
 
 
-def _span(t: torch.Tensor) -> int:
-    """Elements from ``t``'s first to its last, plus one (0 when empty)."""
-    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
+    """Whether an element offset of a :func:`partial_attention` call may reach 2^31: a bound on
+    every tensor's span from the call's ``strides`` (in that function's order), the plan's
+    shapes and the caches' ``num_pages``, in a few integer operations (reading each tensor's
+    shape and strides again cost ~7 us a call, a quarter of an eager run's host time)."""
+    sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, sp0, sp1, spl, so0, so1, sl = strides
+    h = plan.heads
+    hq, hkv, d = h.num_qo_heads, h.num_kv_heads, h.head_dim
+    rows = max(plan.num_queries, plan.num_rows)  # (the output may be the partial rows' buffer)
+    ps = plan.page_size
+    spans = (rows * max(sq0, sp0, so0) + hq * max(sq1, sp1, so1) + d, rows * max(spl, sl) + hq,
+             num_pages * sk0 + ps * sk1 + hkv * sk2 + d, num_pages * sv0 + ps * sv1 + hkv * sv2 + d,
+             4 * plan.kv_indices.numel())  # (the tree mask: a record of 4 an entry)
+    return max(spans) >= 1 << 31
 
 
 def _aligned(*tensors) -> tuple:
@@ -197,13 +208,12 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
-    # int64 offsets only where some tensor spans 2^31 elements (a cache past 4 GiB in 16 bits):
-    # int32 ones take about half the address instructions
-    spans = (q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, mask_args[0])
-    wide = max(map(_span, spans)) >= 1 << 31
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
                lse_part.stride(0), out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
+    # int64 offsets only where some tensor may span 2^31 elements (a cache past 4 GiB in 16 bits):
+    # int32 ones take about half the address instructions
+    wide = _wide(plan, strides, k_cache.shape[0])
     cache = call = None
     if q.device.type == "cuda":
         # what this call's launches are specialised on beyond the plan's own tensors (fixed for
