@@ -239,19 +239,19 @@ def _attend_unit(
         full_end = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
     # gathered tiles: with AHEAD, the loop loads the next tile's slots while this one's K/V load,
     # so the K/V loads no longer wait on a slot load of their own iteration, which kept Triton
-    # from overlapping them with the tiles before (its pipeline waited for every copy in flight)
-    ahead = AHEAD and not CONTIG
+    # from overlapping them with the tiles before (its pipeline waited for every copy in flight).
+    # (The launcher sets AHEAD for gathered launches only: contig tiles load no slots.)
     if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
-        slots = _slot_tile(kv_indices, kv_start, kv_end, BLOCK_N, ahead)
+        slots = _slot_tile(kv_indices, kv_start, kv_end, BLOCK_N, AHEAD)
         for n0 in range(kv_start, full_end, BLOCK_N):
             tile_slots = slots
-            slots = _slot_tile(kv_indices, n0 + BLOCK_N, kv_end, BLOCK_N, ahead)
+            slots = _slot_tile(kv_indices, n0 + BLOCK_N, kv_end, BLOCK_N, AHEAD)
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col, tile_slots,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, AHEAD=ahead)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, AHEAD=AHEAD)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
@@ -263,16 +263,16 @@ def _attend_unit(
                     DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
-        slots = _slot_tile(kv_indices, split, kv_end, BLOCK_N, ahead)
+        slots = _slot_tile(kv_indices, split, kv_end, BLOCK_N, AHEAD)
         for n0 in range(split, kv_end, BLOCK_N):
             tile_slots = slots
-            slots = _slot_tile(kv_indices, n0 + BLOCK_N, kv_end, BLOCK_N, ahead)
+            slots = _slot_tile(kv_indices, n0 + BLOCK_N, kv_end, BLOCK_N, AHEAD)
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col, tile_slots,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, AHEAD=ahead)
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, AHEAD=AHEAD)
 
     rows = _index(row_start + q_local, WIDE)
     if MERGE_ROWS:
