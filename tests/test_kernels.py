@@ -183,30 +183,6 @@ def _assert_split_tails_match_reference(tree, q, k, v, strategy):
     assert rel_l2(out.double(), o_ref) <= tol and rel_l2(lse.double(), lse_ref) <= tol
 
 
-@pytest.mark.parametrize("strategy,spec,split", [("paths", "1,2,4,8_100,8,8,3", True), ("paths", "1,2,4,8_100,8,8,3", False),
-                                                  ("node", "1,4_300,70", False), ("pack", "1,3_129,33", False)])
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_slots_loaded_ahead_match_reference(rng, device, strategy, spec, split, page_size):
-    """``Launch.ahead`` (each KV tile's slots loaded an iteration before its K/V; forced on every
-    launch here, made gathered, with and without the mask split, with the split tail, which
-    masked launches ignore) over paged
-    caches of odd unit lengths gives the float64 reference's result."""
-    tree, hq, hkv, d = tree_from_spec(spec), 8, 2, 32
-    q = torch.randn(tree.num_queries, hq, d)
-    k, v = (torch.randn(tree.num_tokens, hkv, d) for _ in range(2))
-    paged, kc, vc = paged_copy(tree, k, v, page_size, rng)
-    o_ref, lse_ref = reference_attention(q.double(), kc.double(), vc.double(), paged)
-    w = TreeAttention(device=device, backend="triton")
-    plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
-    launches = tuple(dataclasses.replace(ln, ahead=True, contig=False, tma=False, split_tail=True,
-                                         mask_split=split and ln.mask_split) for ln in plan.launches)
-    assert plan.has_mask == (strategy == "paths") and any(ln.mask_split for ln in launches) == split
-    out, lse = w.run(*(t.to(device) for t in (q, kc, vc)), dataclasses.replace(plan, launches=launches),
-                     return_lse=True)
-    assert rel_l2(out.double().cpu(), o_ref) <= TOL[torch.float32]
-    assert rel_l2(lse.double().cpu(), lse_ref) <= TOL[torch.float32]
-
-
 @pytest.mark.parametrize("ramp", [0.05, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_whole_tiles_with_growing_scores_match_reference(device, dtype, ramp):

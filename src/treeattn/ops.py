@@ -259,7 +259,6 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
             WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
             TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, WIDE=wide,
-            AHEAD=launch.ahead and not launch.contig,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages, **pdl_args)
         _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))

@@ -25,24 +25,13 @@ def _index(x, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _slot_tile(kv_indices, n0, kv_end, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr):
-    """The slots of KV entries ``[n0, n0 + BLOCK_N)`` (0 from ``kv_end`` on) where ``AHEAD``,
-    else a placeholder that loads nothing."""
-    if AHEAD:
-        offs = n0 + tl.arange(0, BLOCK_N)
-        return tl.load(kv_indices + offs, mask=offs < kv_end, other=0)
-    else:
-        return tl.zeros([BLOCK_N], tl.int32)
-
-
-@triton.jit
 def _attend_tile(
     q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    tree_mask, qpos, qprefix, slot_base, desc_row, desc_col, slots,
+    tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    WIDE: tl.constexpr, AHEAD: tl.constexpr = False,
+    WIDE: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
@@ -50,8 +39,7 @@ def _attend_tile(
     entry of the tile lies before ``kv_end`` and every row sees all of them. ``TMA`` (with
     ``CONTIG``): the K/V of ``FULL`` tiles come through the tensor descriptors ``K_desc`` and
     ``V_desc`` (a row per slot, every layer's; ``desc_row`` is entry 0's row, ``desc_col`` the
-    KV head's first column). With ``AHEAD`` a gathered tile's slots are ``slots``, which the loop
-    loaded an iteration before."""
+    KV head's first column)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
@@ -71,8 +59,6 @@ def _attend_tile(
             # 1.6x faster than gathered ones, and than non-affine ones computed without any load
             # (benchmarks/probe_segments.py)
             slot = slot_base + offs_n
-        elif AHEAD:
-            slot = _index(slots, WIDE)
         else:
             # (WIDE: page * stride overflows int32 on pools of 2^31 elements)
             slot = _index(tl.load(kv_indices + offs_n, mask=n_valid, other=0), WIDE)
@@ -173,7 +159,7 @@ def _attend_unit(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr, WIDE: tl.constexpr, AHEAD: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr, WIDE: tl.constexpr,
 ):
     """One query tile of work unit ``work`` for KV head ``kv_head`` (K and V already offset to
     the layer's caches): see :func:`_tree_partial_attention_kernel`."""
@@ -237,42 +223,32 @@ def _attend_unit(
     full_end = split
     if SPLIT_TAIL and not HAS_MASK:
         full_end = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
-    # gathered tiles: with AHEAD, the loop loads the next tile's slots while this one's K/V load,
-    # so the K/V loads no longer wait on a slot load of their own iteration, which kept Triton
-    # from overlapping them with the tiles before (its pipeline waited for every copy in flight).
-    # (The launcher sets AHEAD for gathered launches only: contig tiles load no slots.)
     if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
-        slots = _slot_tile(kv_indices, kv_start, kv_end, BLOCK_N, AHEAD)
         for n0 in range(kv_start, full_end, BLOCK_N):
-            tile_slots = slots
-            slots = _slot_tile(kv_indices, n0 + BLOCK_N, kv_end, BLOCK_N, AHEAD)
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tree_mask, qpos, qprefix, slot_base, desc_row, desc_col, tile_slots,
+                tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, AHEAD=AHEAD)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
                 m_i, l_i, acc = _attend_tile(
                     q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                    tree_mask, qpos, qprefix, slot_base, desc_row, desc_col, slot_base,
+                    tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                     BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
                     DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
-        slots = _slot_tile(kv_indices, split, kv_end, BLOCK_N, AHEAD)
         for n0 in range(split, kv_end, BLOCK_N):
-            tile_slots = slots
-            slots = _slot_tile(kv_indices, n0 + BLOCK_N, kv_end, BLOCK_N, AHEAD)
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                tree_mask, qpos, qprefix, slot_base, desc_row, desc_col, tile_slots,
+                tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, AHEAD=AHEAD)
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
 
     rows = _index(row_start + q_local, WIDE)
     if MERGE_ROWS:
@@ -319,7 +295,7 @@ def _tree_partial_attention_kernel(
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr = False, TMA: tl.constexpr = False, MERGE_ROWS: tl.constexpr = False,
-    PERSIST: tl.constexpr = False, WIDE: tl.constexpr = True, AHEAD: tl.constexpr = False,
+    PERSIST: tl.constexpr = False, WIDE: tl.constexpr = True,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -377,7 +353,7 @@ def _tree_partial_attention_kernel(
                 stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
                 GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, AHEAD)
+                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE)
     else:
         if HEADS_INNER:
             # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
@@ -394,7 +370,7 @@ def _tree_partial_attention_kernel(
             stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
             GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, AHEAD)
+            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE)
     if PDL and not MERGE_ROWS:
         # finish after the launch before (see above; MERGE_ROWS waited before its fold). The
         # grid's last program waiting is enough for that; the others leave their SM slots to the

@@ -122,9 +122,6 @@ class Launch:
     ``programs`` (> 0): a persistent launch of at most that many programs, each looping over
     the launch's units x KV heads, so that all of them start at once and the launch after it
     runs beside them (:func:`~treeattn.plan.addressing.persistent_tall`).
-
-    ``ahead`` (gathered launches): the kernel loads each KV tile's slots an iteration before its
-    K/V, so that its software pipeline keeps several tiles' loads in flight.
     """
 
     block_m: int
@@ -140,7 +137,6 @@ class Launch:
     split_tail: bool = False
     tma: bool = False
     programs: int = 0
-    ahead: bool = False
 
 
 @dataclass(frozen=True, eq=False)
