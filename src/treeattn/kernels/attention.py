@@ -44,8 +44,13 @@ def _attend_tile(
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
         n_valid = tl.full([BLOCK_N], 1, tl.int1)
+        at = offs_n
     else:
         n_valid = offs_n < kv_end
+        # entries past the unit's end load its last one again: the loads then need no
+        # predicate (a compare and a select each), and the scores of those entries are hidden
+        # below by one vector, not a select an element
+        at = tl.minimum(offs_n, kv_end - 1)
     if TMA and FULL:
         # one bulk copy a tile into shared memory (Hopper's TMA), where the MMAs read it: no
         # address arithmetic or registers in the threads (benchmarks/probe_tma.py). Whole tiles
@@ -58,18 +63,17 @@ def _attend_tile(
             # the unit's slots are one run: addresses affine in n0 stream a lone program's tiles
             # 1.6x faster than gathered ones, and than non-affine ones computed without any load
             # (benchmarks/probe_segments.py)
-            slot = slot_base + offs_n
+            slot = slot_base + at
         else:
             # (WIDE: page * stride overflows int32 on pools of 2^31 elements)
-            slot = _index(tl.load(kv_indices + offs_n, mask=n_valid, other=0), WIDE)
+            slot = _index(tl.load(kv_indices + at), WIDE)
         # paged gather: PAGE_SIZE is a power-of-two constexpr, so these are shifts and masks
         page = slot // PAGE_SIZE
         in_page = slot % PAGE_SIZE
-        kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
         v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -81,27 +85,29 @@ def _attend_tile(
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         m_safe = m_new
         p = tl.exp2(s * qk_scale - m_new[:, None])
-    else:
-        s = s * qk_scale  # log2 domain
-        visible = n_valid[None, :]
-        if MASKED:
-            # a 16-byte record an entry: node range [lo, hi) and its offset in the node less the
-            # entry index (one value for a whole segment, so the host builds it by one repeat);
-            # (WIDE from 2^29 entries: 4 * entry overflows int32)
-            rec = tree_mask + _index(offs_n, WIDE) * 4
-            lo = tl.load(rec, mask=n_valid, other=0)
-            hi = tl.load(rec + 1, mask=n_valid, other=0)
-            pos = tl.load(rec + 2, mask=n_valid, other=0) + offs_n
-            # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
-            # query's node, and within the query's own node only its first `prefix` tokens
-            anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
-            own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
-            visible = visible & anc & own_ok
-        s = tl.where(visible, s, float("-inf"))
+    elif MASKED:
+        # a 16-byte record an entry: node range [lo, hi) and its offset in the node less the
+        # entry index (one value for a whole segment, so the host builds it by one repeat);
+        # (WIDE from 2^29 entries: 4 * entry overflows int32)
+        rec = tree_mask + _index(at, WIDE) * 4
+        lo = tl.load(rec)
+        hi = tl.where(n_valid, tl.load(rec + 1), 0)  # (an empty range past the end: hidden)
+        pos = tl.load(rec + 2) + at
+        # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
+        # query's node, and within the query's own node only its first `prefix` tokens
+        anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
+        own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
+        s = tl.where(anc & own_ok, s * qk_scale, float("-inf"))  # (log2 domain)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
+    else:
+        # the tile's first entry is before kv_end, so every row sees one and m_new is finite
+        s = s * qk_scale + tl.where(n_valid, 0.0, float("-inf"))[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+        p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
