@@ -41,16 +41,23 @@ def _attend_tile(
     ``V_desc`` (a row per slot, every layer's; ``desc_row`` is entry 0's row, ``desc_col`` the
     KV head's first column)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    # ``at``: the entries the tile loads; ``kv_mask``: which of their K/V elements
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
         n_valid = tl.full([BLOCK_N], 1, tl.int1)
         at = offs_n
+        kv_mask = d_valid[None, :]
     else:
         n_valid = offs_n < kv_end
-        # entries past the unit's end load its last one again: the loads then need no
-        # predicate (a compare and a select each), and the scores of those entries are hidden
-        # below by one vector, not a select an element
+        # entries past the unit's end load its last one again: the loads need no predicate (a
+        # compare and a select a load), and the scores of those entries are hidden below. Not
+        # in unmasked contig tiles: clamped addresses are not affine in n0, which costs the
+        # loop more than the predicates (a few-shot plan's one launch of long units: 0.98x)
         at = tl.minimum(offs_n, kv_end - 1)
+        kv_mask = d_valid[None, :]
+        if CONTIG and not MASKED:
+            at = offs_n
+            kv_mask = n_valid[:, None] & d_valid[None, :]
     if TMA and FULL:
         # one bulk copy a tile into shared memory (Hopper's TMA), where the MMAs read it: no
         # address arithmetic or registers in the threads (benchmarks/probe_tma.py). Whole tiles
@@ -71,9 +78,9 @@ def _attend_tile(
         page = slot // PAGE_SIZE
         in_page = slot % PAGE_SIZE
         k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kv_head * stride_kh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kv_head * stride_vh + offs_d[None, :], mask=d_valid[None, :], other=0.0)
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -103,11 +110,11 @@ def _attend_tile(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
     else:
-        # the tile's first entry is before kv_end, so every row sees one and m_new is finite
-        s = s * qk_scale + tl.where(n_valid, 0.0, float("-inf"))[None, :]
+        s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))  # (log2 domain)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = m_new
-        p = tl.exp2(s - m_new[:, None])
+        # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
