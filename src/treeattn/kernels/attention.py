@@ -31,7 +31,7 @@ def _attend_tile(
     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, PERSIST: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
@@ -39,7 +39,7 @@ def _attend_tile(
     entry of the tile lies before ``kv_end`` and every row sees all of them. ``TMA`` (with
     ``CONTIG``): the K/V of ``FULL`` tiles come through the tensor descriptors ``K_desc`` and
     ``V_desc`` (a row per slot, every layer's; ``desc_row`` is entry 0's row, ``desc_col`` the
-    KV head's first column)."""
+    KV head's first column). ``PERSIST``: the tile is a persistent program's."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     # ``at``: the entries the tile loads; ``kv_mask``: which of their K/V elements
     if FULL:
@@ -47,17 +47,23 @@ def _attend_tile(
         n_valid = tl.full([BLOCK_N], 1, tl.int1)
         at = offs_n
         kv_mask = d_valid[None, :]
+        rec_valid = n_valid
     else:
         n_valid = offs_n < kv_end
-        # entries past the unit's end load its last one again: the loads need no predicate (a
-        # compare and a select a load), and the scores of those entries are hidden below. Not
-        # in unmasked contig tiles: clamped addresses are not affine in n0, which costs the
-        # loop more than the predicates (a few-shot plan's one launch of long units: 0.98x)
-        at = tl.minimum(offs_n, kv_end - 1)
-        kv_mask = d_valid[None, :]
-        if CONTIG and not MASKED:
+        if CONTIG or PERSIST:
             at = offs_n
             kv_mask = n_valid[:, None] & d_valid[None, :]
+            rec_valid = n_valid
+        else:
+            # a gathered tile loads its unit's last entry again past the unit's end, so its
+            # loads need no predicate (a compare and a select a load: the deep trees' masked
+            # path tile takes 8% fewer instructions) and the scores there are hidden below.
+            # Contig tiles keep addresses affine in n0, which pays more (clamped, a launch of
+            # few programs over long contig units ran 0.98x), and persistent tiles their
+            # registers (clamped, +21: fewer leaf programs fit beside them)
+            at = tl.minimum(offs_n, kv_end - 1)
+            kv_mask = d_valid[None, :]
+            rec_valid = tl.full([BLOCK_N], 1, tl.int1)
     if TMA and FULL:
         # one bulk copy a tile into shared memory (Hopper's TMA), where the MMAs read it: no
         # address arithmetic or registers in the threads (benchmarks/probe_tma.py). Whole tiles
@@ -97,9 +103,9 @@ def _attend_tile(
         # entry index (one value for a whole segment, so the host builds it by one repeat);
         # (WIDE from 2^29 entries: 4 * entry overflows int32)
         rec = tree_mask + _index(at, WIDE) * 4
-        lo = tl.load(rec)
-        hi = tl.where(n_valid, tl.load(rec + 1), 0)  # (an empty range past the end: hidden)
-        pos = tl.load(rec + 2) + at
+        lo = tl.load(rec, mask=rec_valid, other=0)
+        hi = tl.where(n_valid, tl.load(rec + 1, mask=rec_valid, other=0), 0)  # (past the end: hidden)
+        pos = tl.load(rec + 2, mask=rec_valid, other=0) + at
         # ancestor test on pre-order numbers: token's node is an ancestor-or-self of the
         # query's node, and within the query's own node only its first `prefix` tokens
         anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
@@ -173,6 +179,7 @@ def _attend_unit(
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr, WIDE: tl.constexpr,
+    PERSIST: tl.constexpr,
 ):
     """One query tile of work unit ``work`` for KV head ``kv_head`` (K and V already offset to
     the layer's caches): see :func:`_tree_partial_attention_kernel`."""
@@ -243,7 +250,7 @@ def _attend_unit(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
@@ -252,7 +259,7 @@ def _attend_unit(
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                     BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
+                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
@@ -261,7 +268,7 @@ def _attend_unit(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE)
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
 
     rows = _index(row_start + q_local, WIDE)
     if MERGE_ROWS:
@@ -366,7 +373,7 @@ def _tree_partial_attention_kernel(
                 stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
                 GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE)
+                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST)
     else:
         if HEADS_INNER:
             # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
@@ -383,7 +390,7 @@ def _tree_partial_attention_kernel(
             stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
             GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE)
+            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST)
     if PDL and not MERGE_ROWS:
         # finish after the launch before (see above; MERGE_ROWS waited before its fold). The
         # grid's last program waiting is enough for that; the others leave their SM slots to the
