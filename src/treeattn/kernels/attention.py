@@ -50,17 +50,17 @@ def _attend_tile(
         rec_valid = n_valid
     else:
         n_valid = offs_n < kv_end
-        if CONTIG or PERSIST:
+        if PERSIST or (CONTIG and not MASKED):
             at = offs_n
             kv_mask = n_valid[:, None] & d_valid[None, :]
             rec_valid = n_valid
         else:
-            # a gathered tile loads its unit's last entry again past the unit's end, so its
-            # loads need no predicate (a compare and a select a load: the deep trees' masked
-            # path tile takes 8% fewer instructions) and the scores there are hidden below.
-            # Contig tiles keep addresses affine in n0, which pays more (clamped, a launch of
-            # few programs over long contig units ran 0.98x), and persistent tiles their
-            # registers (clamped, +21: fewer leaf programs fit beside them)
+            # past its unit's end the tile loads the unit's last entry again, so its loads need
+            # no predicate (a compare and a select a load: the deep trees' masked path tile
+            # takes 8% fewer instructions, a masked 16-row contig tile 11%) and the scores there
+            # are hidden below. Unmasked contig tiles keep addresses affine in n0, which pays
+            # more (clamped, a few-shot plan's one launch of long units ran 0.98x), and
+            # persistent tiles their registers (clamped, +21: fewer leaf programs fit beside)
             at = tl.minimum(offs_n, kv_end - 1)
             kv_mask = d_valid[None, :]
             rec_valid = tl.full([BLOCK_N], 1, tl.int1)
