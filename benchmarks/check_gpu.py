@@ -87,6 +87,34 @@ def alternating_graph_us(run, plans: dict, rounds: int) -> dict:
     return us
 
 
+def patched_ab(tree, spec: str, hq: int, hkv: int, patches: dict, rounds: int, module) -> dict:
+    """One case of an in-process A/B of code variants: ``auto``'s plan of ``tree`` made once for
+    each of ``patches`` (``{variant: {attribute of module: value}}``, two plans, two launch
+    caches), every run of a variant's plan with its attributes set on ``module`` (restored
+    after). Both outputs are checked against the fp32 reference (:func:`checked_runs`) and
+    timed by :func:`alternating_graph_us`. Returns the row: ``tree``, ``hq``, ``hkv``,
+    ``tree_tokens``, ``strategy`` (the first variant's plan's), ``err`` and ``us`` per variant."""
+    saved = {attr: getattr(module, attr) for change in patches.values() for attr in change}
+    q, k, v, out, ref = case_with_reference(tree, hq, hkv)
+    w = TreeAttention(device="cuda")
+    plans = {name: (change, w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM))
+             for name, change in patches.items()}
+
+    def run(variant, o=out):
+        for attr, value in {**saved, **variant[0]}.items():
+            setattr(module, attr, value)
+        w.run(q, k, v, variant[1], out=o)
+
+    try:
+        return {"tree": spec, "hq": hq, "hkv": hkv, "tree_tokens": tree.num_tokens,
+                "strategy": next(iter(plans.values()))[1].strategy,
+                "err": checked_runs(run, plans, ref, f"{spec} {hq}/{hkv}"),
+                "us": alternating_graph_us(run, plans, rounds)}
+    finally:
+        for attr, value in saved.items():
+            setattr(module, attr, value)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"])

@@ -3,9 +3,10 @@
 process.
 
 Each case's ``auto`` plan is made twice (two plans, two launch caches); ``treeattn.ops`` launches
-the baseline's ``_tree_partial_attention_kernel`` for one and this checkout's for the other. Both
-outputs are checked against an fp32 reference; times are CUDA-graph replays (L2 flushed), each
-plan once a round over ``--rounds`` rounds, and the best round of each is compared.
+the baseline's ``_tree_partial_attention_kernel`` for one and this checkout's for the other
+(:func:`check_gpu.patched_ab`). Both outputs are checked against an fp32 reference; times are
+CUDA-graph replays (L2 flushed), each plan once a round over ``--rounds`` rounds, and the best
+round of each is compared.
 
 Usage::
 
@@ -18,12 +19,9 @@ import argparse
 import importlib.util
 import json
 
-import torch
-from check_gpu import alternating_graph_us, case_with_reference, checked_runs, speedups
+from check_gpu import patched_ab, speedups
 
 import treeattn.ops as ops
-from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM
 from treeattn.bench.timing import provenance
 from treeattn.workloads import suite_trees, tree_from_spec
 
@@ -37,6 +35,17 @@ def load_kernel(path: str):
     return module._tree_partial_attention_kernel
 
 
+def summary(rows: list) -> None:
+    """Print the speedups of ``rows`` over all, by head config and over the >= 100K-token trees."""
+    print(f"new over base: {len(rows)} plans, {speedups([r['speedup'] for r in rows])}")
+    for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
+        some = [r["speedup"] for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
+        print(f"  {hq}/{hkv}: {len(some)} plans, {speedups(some)}")
+    big = [r["speedup"] for r in rows if r["tree_tokens"] >= 100_000]
+    if big:
+        print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", required=True, help="another version of kernels/attention.py")
@@ -45,45 +54,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
-    kernels = {"base": load_kernel(args.baseline), "new": ops._tree_partial_attention_kernel}
+    name = "_tree_partial_attention_kernel"
+    patches = {"base": {name: load_kernel(args.baseline)}, "new": {name: getattr(ops, name)}}
     res = {**provenance(), "baseline": args.baseline, "rows": []}
     for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            q, k, v, out, ref = case_with_reference(tree, hq, hkv)
-            w = TreeAttention(device="cuda")
-            # (kernel, plan) pairs, the kernel patched in for every run of its plan
-            plans = {name: (kern, w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM))
-                     for name, kern in kernels.items()}
-
-            def run(kp, o=out):
-                ops._tree_partial_attention_kernel = kp[0]
-                w.run(q, k, v, kp[1], out=o)
-
-            row = {"tree": spec, "hq": hq, "hkv": hkv, "tree_tokens": tree.num_tokens,
-                   "strategy": plans["new"][1].strategy,
-                   "err": checked_runs(run, plans, ref, f"{spec} {hq}/{hkv}"),
-                   "us": alternating_graph_us(run, plans, args.rounds)}
-            ops._tree_partial_attention_kernel = kernels["new"]
+            row = patched_ab(tree, spec, hq, hkv, patches, args.rounds, ops)
             row["speedup"] = min(row["us"]["base"]) / min(row["us"]["new"])
             res["rows"].append(row)
             print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} base {min(row['us']['base']):8.1f} "
                   f"new {min(row['us']['new']):8.1f} x{row['speedup']:.3f}", flush=True)
-            if args.out:
+            if args.out:  # (after every case: a probe cut short keeps what it measured)
                 with open(args.out, "w") as f:
                     json.dump(res, f, indent=1)
-            del q, k, v, out, ref
-            torch.cuda.empty_cache()
-    print(f"new over base: {len(res['rows'])} plans, {speedups([r['speedup'] for r in res['rows']])}")
-    for hq, hkv in {(r["hq"], r["hkv"]) for r in res["rows"]}:
-        rows = [r["speedup"] for r in res["rows"] if (r["hq"], r["hkv"]) == (hq, hkv)]
-        print(f"  {hq}/{hkv}: {len(rows)} plans, {speedups(rows)}")
-    big = [r["speedup"] for r in res["rows"] if r["tree_tokens"] >= 100_000]
-    if big:
-        print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    summary(res["rows"])
 
 
 if __name__ == "__main__":

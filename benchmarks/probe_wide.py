@@ -7,8 +7,8 @@ deep 1024-leaf trees and the leaf launches are bound by issuing instructions (2 
 scheduler; ALU the busiest pipe at 30-43%), and int64 adds and multiplies are most of their
 integer work. Each case's ``auto`` plan is made twice (two plans, two launch caches) and run
 once per round with ``treeattn.ops._wide`` patched to report a span of 2^31 elements for the
-``int64`` one (session 38's runs patched the function it replaced, ``_span``, alike); both outputs
-are checked against an fp32 reference.
+``int64`` one (session 38's runs patched the function it replaced, ``_span``, alike;
+:func:`check_gpu.patched_ab`); both outputs are checked against an fp32 reference.
 
 Usage::
 
@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-from check_gpu import alternating_graph_us, case_with_reference, checked_runs, speedups
+from check_gpu import patched_ab, speedups
 
 import treeattn.ops as ops
-from treeattn import TreeAttention
-from treeattn.bench.kernels import HEAD_DIM
 from treeattn.bench.timing import provenance
 from treeattn.workloads import suite_trees, tree_from_spec
 
@@ -36,33 +33,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out")
     args = ap.parse_args()
-    narrow = ops._wide
-    modes = {"int32": narrow, "int64": lambda *args: True}
+    patches = {"int32": {"_wide": ops._wide}, "int64": {"_wide": lambda *args: True}}
     res = {**provenance(), "rows": []}
     for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            q, k, v, out, ref = case_with_reference(tree, hq, hkv)
-            w = TreeAttention(device="cuda")
-            # (mode, plan) pairs, the mode's test patched in for every run of its plan
-            plans = {m: (modes[m], w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM))
-                     for m in modes}
-
-            def run(mp, o=out):
-                ops._wide = mp[0]
-                w.run(q, k, v, mp[1], out=o)
-
-            row = {"tree": spec, "hq": hq, "hkv": hkv, "tree_tokens": tree.num_tokens,
-                   "strategy": plans["int32"][1].strategy,
-                   "err": checked_runs(run, plans, ref, f"{spec} {hq}/{hkv}"),
-                   "us": alternating_graph_us(run, plans, args.rounds)}
-            ops._wide = narrow
+            row = patched_ab(tree, spec, hq, hkv, patches, args.rounds, ops)
             row["speedup"] = min(row["us"]["int64"]) / min(row["us"]["int32"])
             res["rows"].append(row)
             print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} int64 {min(row['us']['int64']):8.1f} "
                   f"int32 {min(row['us']['int32']):8.1f} x{row['speedup']:.3f}", flush=True)
-            del q, k, v, out, ref
-            torch.cuda.empty_cache()
     print(f"int32 over int64: {len(res['rows'])} plans, {speedups([r['speedup'] for r in res['rows']])}")
     if args.out:
         with open(args.out, "w") as f:
