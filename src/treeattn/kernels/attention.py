@@ -41,7 +41,8 @@ def _attend_tile(
     ``V_desc`` (a row per slot, every layer's; ``desc_row`` is entry 0's row, ``desc_col`` the
     KV head's first column). ``PERSIST``: the tile is a persistent program's."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    # ``at``: the entries the tile loads; ``kv_mask``: which of their K/V elements
+    # ``at``: the entries the tile loads; ``kv_mask`` and ``rec_valid``: which of their K/V
+    # elements and tree-mask records it loads
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
         n_valid = tl.full([BLOCK_N], 1, tl.int1)
