@@ -115,6 +115,46 @@ def patched_ab(tree, spec: str, hq: int, hkv: int, patches: dict, rounds: int, m
             setattr(module, attr, value)
 
 
+def ab_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of an :func:`ab_suite` probe: ``--trees``, ``--heads``, ``--rounds``,
+    ``--out`` (``doc``: its description)."""
+    ap = argparse.ArgumentParser(description=doc)
+    ap.add_argument("--trees", nargs="*", default=None, help="suite specs (default: the whole suite)")
+    ap.add_argument("--heads", default="32/32,32/8,64/8")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out")
+    return ap
+
+
+def ab_suite(args, patches: dict, module, *, base: str, new: str, extra: dict | None = None) -> dict:
+    """:func:`patched_ab` over ``args.trees`` (default: the whole suite) x ``args.heads`` with
+    ``args.rounds`` rounds: each row gains ``speedup`` (``new`` over ``base``, best rounds), is
+    printed as it comes and, with ``args.out``, written after every case (a probe cut short keeps
+    what it measured); then the speedups over all, by head config and over the >= 100K-token
+    trees are printed. Returns the results (provenance, ``extra``, ``rows``)."""
+    res = {**provenance(), **(extra or {}), "rows": []}
+    for spec in args.trees or suite_trees("all"):
+        tree = tree_from_spec(spec)
+        for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
+            row = patched_ab(tree, spec, hq, hkv, patches, args.rounds, module)
+            row["speedup"] = min(row["us"][base]) / min(row["us"][new])
+            res["rows"].append(row)
+            print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} {base} {min(row['us'][base]):8.1f} "
+                  f"{new} {min(row['us'][new]):8.1f} x{row['speedup']:.3f}", flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(res, f, indent=1)
+    rows = res["rows"]
+    print(f"{new} over {base}: {len(rows)} plans, {speedups([r['speedup'] for r in rows])}")
+    for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
+        some = [r["speedup"] for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
+        print(f"  {hq}/{hkv}: {len(some)} plans, {speedups(some)}")
+    big = [r["speedup"] for r in rows if r["tree_tokens"] >= 100_000]
+    if big:
+        print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"])

@@ -4,7 +4,7 @@ process.
 
 Each case's ``auto`` plan is made twice (two plans, two launch caches); ``treeattn.ops`` launches
 the baseline's ``_tree_partial_attention_kernel`` for one and this checkout's for the other
-(:func:`check_gpu.patched_ab`). Both outputs are checked against an fp32 reference; times are
+(:func:`check_gpu.ab_suite`). Both outputs are checked against an fp32 reference; times are
 CUDA-graph replays (L2 flushed), each plan once a round over ``--rounds`` rounds, and the best
 round of each is compared.
 
@@ -15,15 +15,11 @@ Usage::
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 
-from check_gpu import patched_ab, speedups
+from check_gpu import ab_parser, ab_suite
 
 import treeattn.ops as ops
-from treeattn.bench.timing import provenance
-from treeattn.workloads import suite_trees, tree_from_spec
 
 
 def load_kernel(path: str):
@@ -35,40 +31,13 @@ def load_kernel(path: str):
     return module._tree_partial_attention_kernel
 
 
-def summary(rows: list) -> None:
-    """Print the speedups of ``rows`` over all, by head config and over the >= 100K-token trees."""
-    print(f"new over base: {len(rows)} plans, {speedups([r['speedup'] for r in rows])}")
-    for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
-        some = [r["speedup"] for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
-        print(f"  {hq}/{hkv}: {len(some)} plans, {speedups(some)}")
-    big = [r["speedup"] for r in rows if r["tree_tokens"] >= 100_000]
-    if big:
-        print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = ab_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="another version of kernels/attention.py")
-    ap.add_argument("--trees", nargs="*", default=None, help="suite specs (default: the whole suite)")
-    ap.add_argument("--heads", default="32/32,32/8,64/8")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out")
     args = ap.parse_args()
     name = "_tree_partial_attention_kernel"
     patches = {"base": {name: load_kernel(args.baseline)}, "new": {name: getattr(ops, name)}}
-    res = {**provenance(), "baseline": args.baseline, "rows": []}
-    for spec in args.trees or suite_trees("all"):
-        tree = tree_from_spec(spec)
-        for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            row = patched_ab(tree, spec, hq, hkv, patches, args.rounds, ops)
-            row["speedup"] = min(row["us"]["base"]) / min(row["us"]["new"])
-            res["rows"].append(row)
-            print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} base {min(row['us']['base']):8.1f} "
-                  f"new {min(row['us']['new']):8.1f} x{row['speedup']:.3f}", flush=True)
-            if args.out:  # (after every case: a probe cut short keeps what it measured)
-                with open(args.out, "w") as f:
-                    json.dump(res, f, indent=1)
-    summary(res["rows"])
+    ab_suite(args, patches, ops, base="base", new="new", extra={"baseline": args.baseline})
 
 
 if __name__ == "__main__":
