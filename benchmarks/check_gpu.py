@@ -89,9 +89,9 @@ def alternating_graph_us(run, plans: dict, rounds: int) -> dict:
 
 def patched_ab(tree, spec: str, hq: int, hkv: int, patches: dict, rounds: int, module) -> dict:
     """One case of an in-process A/B of code variants: ``auto``'s plan of ``tree`` made once for
-    each of ``patches`` (``{variant: {attribute of module: value}}``, two plans, two launch
-    caches), every run of a variant's plan with its attributes set on ``module`` (restored
-    after). Both outputs are checked against the fp32 reference (:func:`checked_runs`) and
+    each of ``patches`` (``{variant: {attribute of module: value}}``, one plan and launch cache
+    each), every run of a variant's plan with its attributes set on ``module`` (restored
+    after). Every output is checked against the fp32 reference (:func:`checked_runs`) and
     timed by :func:`alternating_graph_us`. Returns the row: ``tree``, ``hq``, ``hkv``,
     ``tree_tokens``, ``strategy`` (the first variant's plan's), ``err`` and ``us`` per variant."""
     saved = {attr: getattr(module, attr) for change in patches.values() for attr in change}
@@ -126,32 +126,35 @@ def ab_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
-def ab_suite(args, patches: dict, module, *, base: str, new: str, extra: dict | None = None) -> dict:
+def ab_suite(args, patches: dict, module, *, base: str, extra: dict | None = None) -> dict:
     """:func:`patched_ab` over ``args.trees`` (default: the whole suite) x ``args.heads`` with
-    ``args.rounds`` rounds: each row gains ``speedup`` (``new`` over ``base``, best rounds), is
-    printed as it comes and, with ``args.out``, written after every case (a probe cut short keeps
-    what it measured); then the speedups over all, by head config and over the >= 100K-token
-    trees are printed. Returns the results (provenance, ``extra``, ``rows``)."""
+    ``args.rounds`` rounds: each row gains ``speedup`` (every other variant's over ``base``, best
+    rounds), is printed as it comes and, with ``args.out``, written after every case (a probe cut
+    short keeps what it measured); then each variant's speedups over all, by head config and over
+    the >= 100K-token trees are printed. Returns the results (provenance, ``extra``, ``rows``)."""
     res = {**provenance(), **(extra or {}), "rows": []}
+    others = [name for name in patches if name != base]
     for spec in args.trees or suite_trees("all"):
         tree = tree_from_spec(spec)
         for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
             row = patched_ab(tree, spec, hq, hkv, patches, args.rounds, module)
-            row["speedup"] = min(row["us"][base]) / min(row["us"][new])
+            row["speedup"] = {name: min(row["us"][base]) / min(row["us"][name]) for name in others}
             res["rows"].append(row)
             print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} {base} {min(row['us'][base]):8.1f} "
-                  f"{new} {min(row['us'][new]):8.1f} x{row['speedup']:.3f}", flush=True)
+                  + " ".join(f"{name} {min(row['us'][name]):8.1f} x{row['speedup'][name]:.3f}" for name in others),
+                  flush=True)
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(res, f, indent=1)
     rows = res["rows"]
-    print(f"{new} over {base}: {len(rows)} plans, {speedups([r['speedup'] for r in rows])}")
-    for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
-        some = [r["speedup"] for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
-        print(f"  {hq}/{hkv}: {len(some)} plans, {speedups(some)}")
-    big = [r["speedup"] for r in rows if r["tree_tokens"] >= 100_000]
-    if big:
-        print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
+    for name in others:
+        print(f"{name} over {base}: {len(rows)} plans, {speedups([r['speedup'][name] for r in rows])}")
+        for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
+            some = [r["speedup"][name] for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
+            print(f"  {hq}/{hkv}: {len(some)} plans, {speedups(some)}")
+        big = [r["speedup"][name] for r in rows if r["tree_tokens"] >= 100_000]
+        if big:
+            print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
     return res
 
 

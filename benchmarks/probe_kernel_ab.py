@@ -1,17 +1,17 @@
 """Probe: the attention kernel of this checkout against another version of
-``treeattn/kernels/attention.py`` (``--baseline FILE``), the same plans timed alternately in one
-process.
+``treeattn/kernels/attention.py`` (``--baseline FILE``), and any more versions (``--variant
+NAME=FILE``), the same plans timed alternately in one process.
 
-Each case's ``auto`` plan is made twice (two plans, two launch caches); ``treeattn.ops`` launches
-the baseline's ``_tree_partial_attention_kernel`` for one and this checkout's for the other
-(:func:`check_gpu.ab_suite`). Both outputs are checked against an fp32 reference; times are
-CUDA-graph replays (L2 flushed), each plan once a round over ``--rounds`` rounds, and the best
-round of each is compared.
+Each case's ``auto`` plan is made once for each version (one launch cache each); ``treeattn.ops``
+launches that version's ``_tree_partial_attention_kernel`` for it (:func:`check_gpu.ab_suite`).
+Every output is checked against an fp32 reference; times are CUDA-graph replays (L2 flushed), each
+plan once a round over ``--rounds`` rounds, and the best round of each is compared with the
+baseline's.
 
 Usage::
 
-    python benchmarks/probe_kernel_ab.py --baseline OLD_attention.py [--trees ...] [--heads 32/8,64/8]
-                                         [--rounds 3] [--out FILE]
+    python benchmarks/probe_kernel_ab.py --baseline OLD_attention.py [--variant NAME=FILE ...] [--trees ...]
+                                         [--heads 32/8,64/8] [--rounds 3] [--out FILE]
 """
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ def load_kernel(path: str):
 def main() -> None:
     ap = ab_parser(__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", required=True, help="another version of kernels/attention.py")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                    help="one more version of kernels/attention.py to time (repeatable)")
     args = ap.parse_args()
     name = "_tree_partial_attention_kernel"
-    patches = {"base": {name: load_kernel(args.baseline)}, "new": {name: getattr(ops, name)}}
-    ab_suite(args, patches, ops, base="base", new="new", extra={"baseline": args.baseline})
+    variants = dict(v.split("=", 1) for v in args.variant)
+    patches = {"base": {name: load_kernel(args.baseline)}, "new": {name: getattr(ops, name)},
+               **{v: {name: load_kernel(path)} for v, path in variants.items()}}
+    ab_suite(args, patches, ops, base="base", extra={"baseline": args.baseline, "variants": variants})
 
 
 if __name__ == "__main__":

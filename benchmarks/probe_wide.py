@@ -24,7 +24,7 @@ import treeattn.ops as ops
 def main() -> None:
     args = ab_parser(__doc__.split("\n\n")[0]).parse_args()
     patches = {"int32": {"_wide": ops._wide}, "int64": {"_wide": lambda *args: True}}
-    ab_suite(args, patches, ops, base="int64", new="int32")
+    ab_suite(args, patches, ops, base="int64")
 
 
 if __name__ == "__main__":
