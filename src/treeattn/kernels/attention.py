@@ -12,10 +12,6 @@ import triton.language as tl
 
 from treeattn.kernels.state import LN2, LOG2E, _fold_state
 
-#: Tiles of at most this many scores (BLOCK_M x BLOCK_N) keep their softmax denominators per
-#: score and sum them once after the KV loop: a row sum a tile costs a cross-warp reduction
-SUM2D_ELEMS = tl.constexpr(1024)
-
 
 @triton.jit
 def _index(x, WIDE: tl.constexpr):
@@ -35,7 +31,7 @@ def _attend_tile(
     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    WIDE: tl.constexpr, PERSIST: tl.constexpr, SUM2D: tl.constexpr,
+    WIDE: tl.constexpr, PERSIST: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
@@ -127,10 +123,7 @@ def _attend_tile(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
-    if SUM2D:
-        l_i = l_i * alpha[:, None] + p
-    else:
-        l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -243,10 +236,7 @@ def _attend_unit(
         qprefix = qpos
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    if BLOCK_M * BLOCK_N <= SUM2D_ELEMS:
-        l_i = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        l_i = tl.zeros([BLOCK_M], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # unmasked tiles wholly inside the unit run the FULL step: those before the mask split (it
     # is tile-aligned), and with SPLIT_TAIL all but an unmasked unit's last, partial tile, which
@@ -261,7 +251,7 @@ def _attend_unit(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST, SUM2D=BLOCK_M * BLOCK_N <= SUM2D_ELEMS)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
@@ -270,7 +260,7 @@ def _attend_unit(
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                     BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST, SUM2D=BLOCK_M * BLOCK_N <= SUM2D_ELEMS)
+                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
@@ -279,10 +269,8 @@ def _attend_unit(
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST, SUM2D=BLOCK_M * BLOCK_N <= SUM2D_ELEMS)
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
 
-    if BLOCK_M * BLOCK_N <= SUM2D_ELEMS:
-        l_i = tl.sum(l_i, 1)
     rows = _index(row_start + q_local, WIDE)
     if MERGE_ROWS:
         if PDL:  # (the launch before this one finishes after all the others: see above)
