@@ -42,16 +42,19 @@ def cut_at_leads(items: WorkItems, at: np.ndarray | None = None) -> tuple[WorkIt
     lead, masked = items.mask_lead if at is None else at, items.masked
     n = items.num_items
     cut = masked & (lead > 0)
-    base = _indptr(1 + cut)[:-1]
-    src = np.arange(n).repeat(1 + cut)
+    parts = cut + 1  # (1 or 2 new items an item; each gather below is taken once)
+    base = _indptr(parts)[:-1]
+    src = np.arange(n).repeat(parts)
+    lead_at = base[cut]
     is_lead = np.zeros(src.size, dtype=bool)
-    is_lead[base[cut]] = True
+    is_lead[lead_at] = True
     is_tail = np.zeros(src.size, dtype=bool)
-    is_tail[base[cut] + 1] = True
+    is_tail[lead_at + 1] = True
+    src_lead = lead[src]
     length = items.item_len[src]
-    length = np.where(is_lead, lead[src], np.where(is_tail, length - lead[src], length))
+    length = np.where(is_lead, src_lead, np.where(is_tail, length - src_lead, length))
     nq = items.item_queries[src]
-    new_lead = np.where(is_tail, 0, lead[src])
+    new_lead = np.where(is_tail, 0, src_lead)
     new_masked = np.where(is_lead, False, masked[src])
 
     def make() -> WorkItems:
@@ -61,7 +64,7 @@ def cut_at_leads(items: WorkItems, at: np.ndarray | None = None) -> tuple[WorkIt
         seg_end -= np.append(0, seg_end)[items.seg_indptr[:-1]][seg_item]  # ends within the item
         seg_new = base[seg_item] + (cut[seg_item] & (seg_end > lead[seg_item]))
         q = ranges(items.q_indptr[src], items.q_indptr[src + 1])
-        lead_q = lead[src].repeat(nq)
+        lead_q = src_lead.repeat(nq)
         q_tokens = items.q_tokens[q]
         q_tokens = np.where(is_lead.repeat(nq), lead_q, np.where(is_tail.repeat(nq), q_tokens - lead_q, q_tokens))
         return WorkItems(_indptr(np.bincount(seg_new, minlength=src.size)), items.seg_node, items.seg_lo,
