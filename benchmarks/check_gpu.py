@@ -56,7 +56,7 @@ def case_with_reference(tree, hq: int, hkv: int) -> tuple:
     """``(q, k, v, out, ref)``: :func:`~treeattn.bench.kernels.case_inputs` of a suite-like case
     and the fp32 reference of its output (the caches read in the tree's slot order)."""
     q, k, v, out = case_inputs(tree, hq, hkv)
-    slots = torch.as_tensor(tree.kv_indices, device=k.device, dtype=torch.long)
+    slots = torch.tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (a copy: the tree's arrays are read-only)
     return q, k, v, out, reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
 
 
