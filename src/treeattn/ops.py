@@ -251,7 +251,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         elif launch.heads_inner:
             grid = (units * h.num_kv_heads,)
         else:
-            grid = (units, h.num_kv_heads // launch.head_block)
+            grid = (units, h.num_kv_heads)
         kwargs = dict(
             GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
             BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
@@ -259,7 +259,6 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
             WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
             TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, WIDE=wide,
-            HEAD_BLOCK=launch.head_block,
             num_warps=launch.num_warps,
             num_stages=launch.num_stages, **pdl_args)
         _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))

@@ -26,12 +26,12 @@ def _index(x, WIDE: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, hb_row, offs_d, d_valid, qk_scale,
+    q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, FULL: tl.constexpr,
     CONTIG: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    WIDE: tl.constexpr, PERSIST: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+    WIDE: tl.constexpr, PERSIST: tl.constexpr,
 ):
     """Online-softmax step over KV entries ``[n0, n0 + BLOCK_N)`` (those before ``kv_end``):
     returns the updated ``(m_i, l_i, acc)``. With ``MASKED``, the tree mask hides entries from
@@ -39,23 +39,13 @@ def _attend_tile(
     entry of the tile lies before ``kv_end`` and every row sees all of them. ``TMA`` (with
     ``CONTIG``): the K/V of ``FULL`` tiles come through the tensor descriptors ``K_desc`` and
     ``V_desc`` (a row per slot, every layer's; ``desc_row`` is entry 0's row, ``desc_col`` the
-    KV head's first column). ``PERSIST``: the tile is a persistent program's. ``HEAD_BLOCK``
-    (> 1): the tile holds the entries of ``HEAD_BLOCK`` KV heads from ``kv_head`` on, one block of
-    ``BLOCK_N`` columns each, and row ``r`` sees only block ``hb_row[r]``."""
-    offs_c = tl.arange(0, HEAD_BLOCK * BLOCK_N)
-    if HEAD_BLOCK == 1:
-        offs_n = n0 + offs_c
-        kv_off = kv_head
-    else:
-        # a KV head a block of columns: every block reads the same entries, each its head's K/V
-        offs_n = n0 + offs_c % BLOCK_N
-        kv_off = (kv_head + offs_c // BLOCK_N)[:, None]
-        diag = hb_row[:, None] == (offs_c // BLOCK_N)[None, :]
+    KV head's first column). ``PERSIST``: the tile is a persistent program's."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     # ``at``: the entries the tile loads; ``kv_mask`` and ``rec_valid``: which of their K/V
     # elements and tree-mask records it loads
     if FULL:
         # a constant-true mask: no per-entry compares and selects in the tile's softmax
-        n_valid = tl.full([HEAD_BLOCK * BLOCK_N], 1, tl.int1)
+        n_valid = tl.full([BLOCK_N], 1, tl.int1)
         at = offs_n
         kv_mask = d_valid[None, :]
         rec_valid = n_valid
@@ -74,7 +64,7 @@ def _attend_tile(
             # persistent tiles their registers (clamped, +21: fewer leaf programs fit beside)
             at = tl.minimum(offs_n, kv_end - 1)
             kv_mask = d_valid[None, :]
-            rec_valid = tl.full([HEAD_BLOCK * BLOCK_N], 1, tl.int1)
+            rec_valid = tl.full([BLOCK_N], 1, tl.int1)
     if TMA and FULL:
         # one bulk copy a tile into shared memory (Hopper's TMA), where the MMAs read it: no
         # address arithmetic or registers in the threads (benchmarks/probe_tma.py). Whole tiles
@@ -95,14 +85,14 @@ def _attend_tile(
         page = slot // PAGE_SIZE
         in_page = slot % PAGE_SIZE
         k = tl.load(K + page[:, None] * stride_kp + in_page[:, None] * stride_ks
-                    + kv_off * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + page[:, None] * stride_vp + in_page[:, None] * stride_vs
-                    + kv_off * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if FULL and HEAD_BLOCK == 1:
+    if FULL:
         # every row sees every entry, so m_new is finite (m_i may be -inf before the first
         # tile): no selects, and the scale folds into one FMA with the max (log2 domain). These
         # per-entry instructions are most of a tall tile's non-MMA work
@@ -121,19 +111,13 @@ def _attend_tile(
         # query's node, and within the query's own node only its first `prefix` tokens
         anc = (lo[None, :] <= qpos[:, None]) & (qpos[:, None] < hi[None, :])
         own_ok = (lo[None, :] < qpos[:, None]) | (pos[None, :] < qprefix[:, None])
-        seen = anc & own_ok
-        if HEAD_BLOCK > 1:
-            seen = seen & diag
-        s = tl.where(seen, s * qk_scale, float("-inf"))  # (log2 domain)
+        s = tl.where(anc & own_ok, s * qk_scale, float("-inf"))  # (log2 domain)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
     else:
-        seen = n_valid[None, :]
-        if HEAD_BLOCK > 1:
-            seen = seen & diag
-        s = tl.where(seen, s * qk_scale, float("-inf"))  # (log2 domain)
+        s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))  # (log2 domain)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # rows that have seen nothing yet keep m = -inf; subtract 0 instead to avoid inf - inf
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -196,7 +180,7 @@ def _attend_unit(
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, TMA: tl.constexpr, MERGE_ROWS: tl.constexpr, WIDE: tl.constexpr,
-    PERSIST: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+    PERSIST: tl.constexpr,
 ):
     """One query tile of work unit ``work`` for KV head ``kv_head`` (K and V already offset to
     the layer's caches): see :func:`_tree_partial_attention_kernel`."""
@@ -216,16 +200,8 @@ def _attend_unit(
     num_rows = tl.load(work_row_indptr + work + 1) - row_start
 
     offs_m = tl.arange(0, BLOCK_M)
-    if HEAD_BLOCK == 1:
-        hb_row = offs_m * 0
-        q_local = offs_m // GROUP
-        head = kv_head * GROUP + offs_m % GROUP
-    else:
-        # the rows are HEAD_BLOCK blocks, one a KV head from kv_head on, each the unit's
-        # (query, head-in-group) rows (which fit: the launcher checks)
-        hb_row = offs_m // (BLOCK_M // HEAD_BLOCK)
-        q_local = offs_m % (BLOCK_M // HEAD_BLOCK) // GROUP
-        head = (kv_head + hb_row) * GROUP + offs_m % GROUP
+    q_local = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
     row_valid = q_local < num_rows
     q_idx = _index(tl.load(row_q_indices + row_start + q_local, mask=row_valid, other=0), WIDE)
     offs_d = tl.arange(0, BLOCK_D)
@@ -271,29 +247,29 @@ def _attend_unit(
     if MASK_SPLIT or not HAS_MASK:  # (a masked launch without a split keeps one loop)
         for n0 in range(kv_start, full_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, hb_row, offs_d, d_valid, qk_scale,
+                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=HAS_MASK or SPLIT_TAIL,
-                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST, HEAD_BLOCK=HEAD_BLOCK)
+                CONTIG=CONTIG, TMA=TMA, DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
     if not HAS_MASK:
         if SPLIT_TAIL:
             if full_end < kv_end:  # the unit's last, partial tile
                 m_i, l_i, acc = _attend_tile(
-                    q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, hb_row, offs_d, d_valid, qk_scale,
+                    q, m_i, l_i, acc, full_end, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                     BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=False, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST, HEAD_BLOCK=HEAD_BLOCK)
+                    DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
     else:
         # a second loop rather than a per-tile branch: each is software-pipelined on its own
         for n0 in range(split, kv_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, hb_row, offs_d, d_valid, qk_scale,
+                q, m_i, l_i, acc, n0, kv_end, kv_indices, K, V, K_desc, V_desc, kv_head, offs_d, d_valid, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 tree_mask, qpos, qprefix, slot_base, desc_row, desc_col,
                 BLOCK_N=BLOCK_N, PAGE_SIZE=PAGE_SIZE, MASKED=True, FULL=False, CONTIG=CONTIG, TMA=TMA,
-                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST, HEAD_BLOCK=HEAD_BLOCK)
+                DOT_PRECISION=DOT_PRECISION, UPCAST=UPCAST, WIDE=WIDE, PERSIST=PERSIST)
 
     rows = _index(row_start + q_local, WIDE)
     if MERGE_ROWS:
@@ -340,7 +316,7 @@ def _tree_partial_attention_kernel(
     HAS_MASK: tl.constexpr, MASK_SPLIT: tl.constexpr, HEADS_INNER: tl.constexpr, CONTIG: tl.constexpr,
     SPLIT_TAIL: tl.constexpr, DIRECT: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PDL: tl.constexpr = False, TMA: tl.constexpr = False, MERGE_ROWS: tl.constexpr = False,
-    PERSIST: tl.constexpr = False, WIDE: tl.constexpr = True, HEAD_BLOCK: tl.constexpr = 1,
+    PERSIST: tl.constexpr = False, WIDE: tl.constexpr = True,
 ):
     """One program = one query tile of one work item, for one KV head.
 
@@ -398,7 +374,7 @@ def _tree_partial_attention_kernel(
                 stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
                 GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST, 1)
+                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST)
     else:
         if HEADS_INNER:
             # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
@@ -407,7 +383,7 @@ def _tree_partial_attention_kernel(
             kv_head = tl.program_id(0) % num_kv_heads
         else:
             work = tl.program_id(0) + work_offset
-            kv_head = tl.program_id(1) * HEAD_BLOCK
+            kv_head = tl.program_id(1)
         _attend_unit(
             work, kv_head, Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
             kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
@@ -415,7 +391,7 @@ def _tree_partial_attention_kernel(
             stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
             GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST, HEAD_BLOCK)
+            DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST)
     if PDL and not MERGE_ROWS:
         # finish after the launch before (see above; MERGE_ROWS waited before its fold). The
         # grid's last program waiting is enough for that; the others leave their SM slots to the

@@ -122,12 +122,6 @@ class Launch:
     ``programs`` (> 0): a persistent launch of at most that many programs, each looping over
     the launch's units x KV heads, so that all of them start at once and the launch after it
     runs beside them (:func:`~treeattn.plan.addressing.persistent_tall`).
-
-    ``head_block`` (> 1): each program runs that many KV heads of a unit at once, one block of
-    ``block_m / head_block`` rows and of ``block_n`` KV columns each (the kernel hides the scores
-    across blocks): units of few rows fill their query tile, and the programs' fixed work (their
-    metadata, slots and addresses) is shared by the heads. Plain gathered or contig launches only
-    (not ``tma``, ``heads_inner`` or persistent); every unit's rows must fit a block.
     """
 
     block_m: int
@@ -143,7 +137,6 @@ class Launch:
     split_tail: bool = False
     tma: bool = False
     programs: int = 0
-    head_block: int = 1
 
 
 @dataclass(frozen=True, eq=False)
