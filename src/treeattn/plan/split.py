@@ -51,15 +51,13 @@ class _SplitItems(DeferredItems):
         base = _indptr(chunks)
         # an item's chunks are all chunk_len long but its last, which holds the rest
         length = chunk_len.repeat(chunks)
-        leads = source.mask_lead is not None and source.masked is not None
-        if leads:  # each chunk's start in its item (taken while ``length`` is every chunk's chunk_len)
-            start = (np.arange(length.size) - base[:-1].repeat(chunks)) * length
         length[base[1:] - 1] = source.item_len - (chunks - 1) * chunk_len
         masked = mask_lead = None
         self.__dict__.update(source=source, chunks=chunks, chunk_len=chunk_len, chunk_base=base)
-        if leads:
+        if source.mask_lead is not None and source.masked is not None:
             # a chunk's lead is the part of its item's lead that falls in it (np.clip costs
             # several times more than its two ufuncs)
+            start = (np.arange(length.size) - base[:-1].repeat(chunks)) * chunk_len.repeat(chunks)
             item_lead = source.mask_lead.repeat(chunks)
             lead = np.minimum(np.maximum(item_lead - start, 0), length)
             masked = source.masked.repeat(chunks) & (lead < length)
