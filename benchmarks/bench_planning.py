@@ -8,10 +8,10 @@ Usage::
                                         [--out planning.json]
 
 Each time is the median (and, for CPU time, also the minimum) of ``--repeats`` runs after warm-up. ``plan`` times start from a freshly built
-:class:`~treeattn.tree.DecodingTree` each run (only what its constructor caches is reused);
+:class:`~treeattn.tree.decoding_tree.DecodingTree` each run (only what its constructor caches is reused);
 ``update`` times patch the plan of the original tree for a freshly built grown tree (which the
 update checks against the plan's tree); ``append`` times patch it for the tree that
-:meth:`~treeattn.tree.DecodingTree.append` made from it (no check needed), as a serving loop does
+:meth:`~treeattn.tree.decoding_tree.DecodingTree.append` made from it (no check needed), as a serving loop does
 after each step. Building the trees is not timed.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from treeattn import TreeAttention
 from treeattn.plan import STRATEGIES
 from treeattn.tree import DecodingTree
-from treeattn.workloads import tree_from_spec
+from treeattn.tree import tree_from_spec
 
 #: the largest suite trees: most leaves/levels (greedy's edge loop), most tokens, most queries
 DEFAULT_TREES = (

@@ -1,9 +1,9 @@
 """Online serving sweep (PAT Fig. 11 style): PAT's conversation trace replayed against
 ``treeattn serve`` at several Poisson request rates, once per attention strategy.
 
-For every strategy the script starts ``python -m treeattn.cli serve --strategy S ...`` as a
+For every strategy the script starts ``python -m treeattn.cli.main serve --strategy S ...`` as a
 subprocess (its log goes next to ``--out``), waits for ``GET /health``, warms it up, then replays
-the trace at each rate in ascending order with :func:`treeattn.serve.bench.bench_serve` (streaming
+the trace at each rate in ascending order with :func:`treeattn.bench.serve.bench_serve` (streaming
 requests, ``ignore_eos``), waits until the server is idle before the next rate, and stops the
 server before the next strategy. Rate ``i`` uses trace seed ``--trace-seed + i`` for every
 strategy, so each strategy sees the same requests at a rate while no rate hits the prefix blocks
@@ -80,7 +80,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT / "src"))
 from treeattn import STRATEGIES
-from treeattn.engine.cli import add_model_args
+from treeattn.cli.engine import add_model_args
 
 log = logging.getLogger("bench_serve_sweep")
 
@@ -170,8 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def server_command(args, strategy: str, port: int) -> list:
-    """``python -m treeattn.cli serve ...`` for one strategy (model arguments passed through)."""
-    cmd = [sys.executable, "-m", "treeattn.cli", "serve"]
+    """``python -m treeattn.cli.main serve ...`` for one strategy (model arguments passed through)."""
+    cmd = [sys.executable, "-m", "treeattn.cli.main", "serve"]
     cmd += ["--model", args.model] if args.model else ["--random-weights", args.random_weights]
     if args.device:
         cmd += ["--device", args.device]
@@ -501,9 +501,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    logging.getLogger("treeattn.serve.bench").setLevel(logging.WARNING)
-    from treeattn.serve.bench import bench_serve, load_trace
-    from treeattn.workloads import find_shared
+    logging.getLogger("treeattn.bench.serve").setLevel(logging.WARNING)
+    from treeattn.bench.serve import bench_serve, load_trace
+    from treeattn.tree import find_shared
 
     t_start = time.monotonic()
     budget_end = t_start + args.time_budget if args.time_budget else math.inf

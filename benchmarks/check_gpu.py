@@ -24,7 +24,7 @@ from treeattn import STRATEGIES, TreeAttention
 from treeattn.bench.kernels import HEAD_DIM, case_inputs
 from treeattn.bench.timing import capture, graph_us, provenance
 from treeattn.reference import visibility_mask
-from treeattn.workloads import suite_trees, tree_from_spec
+from treeattn.tree import suite_trees, tree_from_spec
 
 
 def reference_fp32(q, k, v, tree, scale):

@@ -29,9 +29,9 @@ from bench_planning import grow_leaves  # noqa: E402
 from helpers import random_tree  # noqa: E402
 
 from treeattn.plan import PLANNERS, STRATEGIES, CostModel, HeadConfig, make_plan  # noqa: E402
-from treeattn.plan.auto import estimate_items  # noqa: E402
-from treeattn.plan.update import update_plan  # noqa: E402
-from treeattn.workloads import suite_trees, tree_from_spec  # noqa: E402
+from treeattn.plan.select.estimate import estimate_items  # noqa: E402
+from treeattn.plan.lower.update import update_plan  # noqa: E402
+from treeattn.tree import suite_trees, tree_from_spec  # noqa: E402
 
 HEADS = [(32, 32, 128), (32, 8, 128), (64, 8, 128)]
 RANDOM_HEADS = [(8, 2, 64), (32, 8, 128), (32, 32, 128)]

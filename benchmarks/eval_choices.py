@@ -23,7 +23,7 @@ import math
 import numpy as np
 
 from treeattn.plan import CostModel, HeadConfig, make_plan
-from treeattn.workloads import tree_from_spec
+from treeattn.tree import tree_from_spec
 
 HIT = 1.05
 HEAD_DIM = 128

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from treeattn import DecodingTree, KVPool
 from treeattn.plan import Plan
 from treeattn.reference import visibility_mask
-from treeattn.topology import ranges
-from treeattn.workloads import tree_from_medusa
+from treeattn.tree.topology import ranges
+from treeattn.tree import tree_from_medusa
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2, torch.float64: 1e-10}
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from helpers import rel_l2
-from treeattn.ops import merge_partials
-from treeattn.plan.merge import merge_config
+from treeattn.launchers import merge_partials
+from treeattn.plan.lower.merge_config import merge_config
 from treeattn import (STRATEGIES, DecodingTree, KVPool, KVPoolOutOfMemory, TreeAttention,
                       merge_states, reference_attention, tree_attention)
-from treeattn.workloads import tree_from_spec
+from treeattn.tree import tree_from_spec
 
 
 def dense_path_attention(q, k, v, parents, lengths, query_nodes, query_prefix):

@@ -5,7 +5,7 @@ import json
 import pytest
 
 import treeattn.bench.kernels as kernels
-from treeattn.cli import main
+from treeattn.cli.main import main
 
 
 def _row(tree, hq, hkv, roofline, graph_us, peers=None):

@@ -1,7 +1,7 @@
 import subprocess
 import sys
 
-from treeattn.cli import main
+from treeattn.cli.main import main
 
 
 def test_attention_on_a_suite_tree(capsys):
@@ -17,7 +17,7 @@ def test_attention_on_a_tot_template(capsys):
 
 
 def test_console_script_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "treeattn.cli", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "treeattn.cli.main", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and all(c in proc.stdout for c in ("demo", "run", "attention", "bench"))
 
 

@@ -12,7 +12,7 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.addressing import (
+from treeattn.plan.lower.addressing import (
     DEEP_PIPELINE_MIN_TOKENS,
     GATHERED_NARROW_WARPS,
     SPLIT_TAIL_ROWS,
@@ -25,9 +25,9 @@ from treeattn.plan.addressing import (
     split_tails,
     unit_runs,
 )
-from treeattn.plan.plan import Launch
+from treeattn.plan.format import Launch
 from treeattn.reference import reference_attention
-from treeattn.workloads import tree_from_spec
+from treeattn.tree import tree_from_spec
 
 HEADS = HeadConfig(8, 2, 32, torch.float32)
 SHORT = np.full(16, 64)  # work units of 64 tokens

@@ -10,9 +10,10 @@ from helpers import random_tree
 
 from treeattn import TreeAttention
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan, make_plan
-from treeattn.plan.auto import estimate_items, plan_auto
-from treeattn.plan.launches import launch_features
-from treeattn.workloads import tree_from_medusa, tree_from_spec
+from treeattn.plan.select.auto import plan_auto
+from treeattn.plan.select.estimate import estimate_items
+from treeattn.plan.select.launches import launch_features
+from treeattn.tree import tree_from_medusa, tree_from_spec
 
 H200_HEADS = HeadConfig(32, 8, 128, torch.float16)
 
@@ -160,7 +161,7 @@ def test_auto_rates_the_unsplit_sequence_plan_of_short_paths():
     H200 at 21.2 against 26.1 us for the split plans' best (benchmarks/probe_direct.py; ``paths``
     now takes 20.7 us), and the plan writes every output directly. ``sequence`` itself keeps
     Flash-Decoding's split."""
-    from treeattn.plan.sequence import sequence_variants
+    from treeattn.plan.strategies.sequence import sequence_variants
 
     tree = tree_from_spec("1,2,64_8,256,32")
     cost = CostModel()

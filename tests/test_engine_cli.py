@@ -8,8 +8,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from treeattn.engine.bench import _schedule  # noqa: E402
-from treeattn.engine.cli import add_bench_e2e_parser, add_demo_parser, add_run_parser  # noqa: E402
+from treeattn.bench.e2e import _schedule  # noqa: E402
+from treeattn.cli.engine import add_bench_e2e_parser, add_demo_parser, add_run_parser  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,7 +111,7 @@ def test_bench_e2e_cpu_smoke(tmp_path):
 def test_bench_e2e_keeps_finished_runs_when_cut_off(tmp_path, monkeypatch):
     """Each finished run is written to --json at once (marked partial), so a benchmark stopped
     by a time limit or an error keeps what it measured; the full result replaces it."""
-    import treeattn.engine.cli as engine_cli
+    import treeattn.cli.engine as engine_cli
 
     def cut_off(model, workloads, strategies, *, progress, **kw):
         progress("tot-set", "auto", {"mean_step_ms": 7.0, "gpu_step_ms": 6.9, "idle_ms": 0.1, "host_overhead": 0.01,

@@ -10,7 +10,7 @@ from treeattn.engine.controller import periodic_branching
 from treeattn.engine.planning import StepPlanner
 from treeattn.engine.tuning import HostTimer, StrategyTuner
 from treeattn.plan import PLANNERS
-from treeattn.workloads import tree_from_medusa
+from treeattn.tree import tree_from_medusa
 
 HEADS = HeadConfig(32, 8, 128, torch.bfloat16)
 LAYERS = 4

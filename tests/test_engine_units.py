@@ -268,7 +268,7 @@ def test_auto_decision_is_reused_until_the_tree_changes_scale():
     decides again once the growing prefix crosses a power of two of KV tokens."""
     from treeattn import HeadConfig
     from treeattn.engine.planning import StepPlanner
-    from treeattn.workloads import tree_from_medusa
+    from treeattn.tree import tree_from_medusa
 
     planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="auto", device="cpu")
     first = planner.plan(tree_from_medusa(32, context_len=90))  # 90 + 32 tokens: 7 bits
@@ -285,7 +285,7 @@ def test_device_plans_are_64_byte_aligned():
     starts 64-byte aligned, whatever the sizes of the tensors before it."""
     from treeattn import HeadConfig
     from treeattn.engine.planning import StepPlanner
-    from treeattn.workloads import tree_from_medusa
+    from treeattn.tree import tree_from_medusa
 
     planner = StepPlanner(HeadConfig(32, 8, 128, torch.bfloat16), strategy="flatten", device="cuda")
     for ctx in (45, 301, 1000):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from helpers import TOL, forests, paged_case, paged_copy, random_tree, rel_l2
 from treeattn import STRATEGIES, TreeAttention, reference_attention
 from treeattn.plan import CostModel
-from treeattn.workloads import tree_from_medusa, tree_from_spec
+from treeattn.tree import tree_from_medusa, tree_from_spec
 
 TREES = {
     "suite_deep": lambda rng: tree_from_spec("1,2,4,8_16,8,8,3"),
@@ -224,7 +224,7 @@ def test_last_launch_merges_like_the_merge_launch(rng, device, strategy, spec, t
     """``Plan.merge_last``: the launch that runs last (the first with ``tall_first``) folds each
     query's other partial rows, written by the launches before it, into its own row and writes
     the output and LSE: no merge launch. It matches the float64 reference and the merge launch."""
-    from treeattn.ops import merge_partials, partial_attention
+    from treeattn.launchers import merge_partials, partial_attention
 
     tree, hq, hkv, d = tree_from_spec(spec), 8, 2, 32
     q = torch.randn(tree.num_queries, hq, d).to(dtype)
@@ -254,7 +254,7 @@ def test_int64_offsets_match_int32_ones(rng, device, monkeypatch, strategy, spec
     """The kernel takes int64 element offsets (``WIDE``) only where a tensor spans 2^31
     elements, too large for a test: with that test forced, the masked, gathered, contig and
     merging launches give the int32 path's output."""
-    import treeattn.ops as ops
+    import treeattn.launchers as ops
 
     tree, hq, hkv, d = tree_from_spec(spec), 8, 2, 32
     q = torch.randn(tree.num_queries, hq, d)
@@ -311,7 +311,7 @@ def test_last_launch_merge_on_one_stream_matches_side_streams(spec):
 def test_merge_last_needs_a_plan_that_allows_it(device):
     """Asking the kernels to merge in the last launch of a plan without ``merge_last`` (one
     launch; or beside side streams) is an error, not a wrong output."""
-    from treeattn.ops import partial_attention
+    from treeattn.launchers import partial_attention
 
     tree = tree_from_spec("1,3_600,5")
     w = TreeAttention(device=device, backend="triton")
@@ -329,7 +329,7 @@ def test_builder_orders_heads_inner_for_long_work_units():
     """Long work units (>= HEADS_INNER_MIN_TOKENS KV tokens on average in a launch) get the
     heads-inner grid order; short ones, and items with several query tiles, keep the
     work-unit-major order."""
-    from treeattn.plan.plan import HEADS_INNER_MIN_TOKENS
+    from treeattn.plan.format import HEADS_INNER_MIN_TOKENS
 
     w = TreeAttention(backend="triton", cost=CostModel(target_programs=1))  # no KV split
     long_plan = w.plan(tree_from_spec(f"4_{HEADS_INNER_MIN_TOKENS}"), num_qo_heads=8, num_kv_heads=2,
@@ -394,8 +394,8 @@ def test_packed_leaf_items_match_float64_reference(rng, device, hq, hkv):
     """Leaf items packed 2 and 4 per work item run in the Triton kernel (the interpreter on CPU):
     each query attends to its own leaf only, through the tree mask of the packed items' launch."""
     from treeattn.plan import HeadConfig, PLANNERS
-    from treeattn.plan.build import build_plan
-    from treeattn.plan.packing import pack_leaf_items
+    from treeattn.plan.lower.build import build_plan
+    from treeattn.plan.strategies.leaf_packing import pack_leaf_items
 
     d = 16
     q, paged, kc, vc, o_ref = paged_case(tree_from_spec("1,4,16_40,9,5"), hq, hkv, d, rng)

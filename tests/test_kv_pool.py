@@ -1,11 +1,11 @@
-"""Tests of treeattn.kv_pool.KVPool: paged KV cache with forkable, reference-counted branches."""
+"""Tests of treeattn.paged_kv.KVPool: paged KV cache with forkable, reference-counted branches."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from treeattn.kv_pool import KVPool, KVPoolOutOfMemory
+from treeattn.paged_kv import KVPool, KVPoolOutOfMemory
 
 HKV, D = 2, 4
 
@@ -309,7 +309,7 @@ def _query_slots(tree, j):
 
 
 def test_tree_of_forked_family(gen):
-    pytest.importorskip("treeattn.workloads")
+    pytest.importorskip("treeattn.tree.builders")
     pool = make_pool(num_pages=64, page_size=4)
     root = pool.new_branch()
     fill(pool, root, 10, gen)  # 2 full pages + a partial page

@@ -8,8 +8,8 @@ import torch
 
 from helpers import rel_l2
 from treeattn import TreeAttention, reference_attention
-from treeattn.ops import launch_cache
-from treeattn.workloads import tree_from_medusa, tree_from_spec
+from treeattn.launchers import launch_cache
+from treeattn.tree import tree_from_medusa, tree_from_spec
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled kernels need CUDA")
 

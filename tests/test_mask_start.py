@@ -13,8 +13,8 @@ from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.engine.planning import StepPlanner
 from treeattn.plan import STRATEGIES, make_plan
 from treeattn.reference import reference_attention, visibility_mask
-from treeattn.topology import ranges
-from treeattn.workloads import tree_from_medusa
+from treeattn.tree.topology import ranges
+from treeattn.tree import tree_from_medusa
 
 HEADS = HeadConfig(8, 2, 32, torch.float32)
 

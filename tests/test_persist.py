@@ -1,7 +1,7 @@
 """Persistent launches (``Launch.programs``): fewer programs than units x KV heads, each looping
 over them in the grid's order, give the reference output for every planner, with and without a
 tree mask, the heads-inner grid and the last launch's merge; and the rule that plans them
-(:func:`~treeattn.plan.addressing.persistent_tall`)."""
+(:func:`~treeattn.plan.lower.addressing.persistent_tall`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.addressing import (
+from treeattn.plan.lower.addressing import (
     BESIDE_MIN_GROUP,
     PERSIST_MIN_GROUP,
     PERSIST_MIN_LEAF_RATIO,
@@ -23,11 +23,11 @@ from treeattn.plan.addressing import (
     TILE_TALL_GATHERED,
     persistent_tall,
 )
-from treeattn.plan.cost import CostModel
-from treeattn.plan.plan import Launch
+from treeattn.plan.select.cost import CostModel
+from treeattn.plan.format import Launch
 from treeattn.reference import reference_attention
 from treeattn.tree import DecodingTree
-from treeattn.workloads import tree_from_spec
+from treeattn.tree import tree_from_spec
 
 
 def persistent(plan, programs: int):
@@ -246,7 +246,7 @@ def test_lazy_update_keeps_the_persistent_launch(rng, spec, strategy):
     """The lazy update of a plan with a persistent tall launch, gathered or TMA, keeps it
     persistent (grown leaves only add to the leaf launch), as a fresh plan of the grown tree
     would, and still does not fold."""
-    from treeattn.plan.update import update_plan
+    from treeattn.plan.lower.update import update_plan
 
     tree = tree_from_spec(spec)
     heads = HeadConfig(64, 8, 128, torch.float16)

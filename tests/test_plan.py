@@ -8,13 +8,13 @@ from hypothesis import given
 
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
-from treeattn.plan.build import _pair_visibility
-from treeattn.plan.greedy import _assign_edges, _padding, plan_greedy
-from treeattn.plan.merge import MERGE_LAST_MAX_ROWS, launch_merges
-from treeattn.plan.node import node_items
-from treeattn.plan.split import split_long_items
+from treeattn.plan.lower.build import _pair_visibility
+from treeattn.plan.strategies.greedy import _assign_edges, _padding, plan_greedy
+from treeattn.plan.lower.merge_config import MERGE_LAST_MAX_ROWS, launch_merges
+from treeattn.plan.strategies.node import node_items
+from treeattn.plan.strategies.split import split_long_items
 from treeattn.reference import visibility_mask
-from treeattn.workloads import suite_trees, tree_from_medusa, tree_from_spec
+from treeattn.tree import suite_trees, tree_from_medusa, tree_from_spec
 
 HEADS = HeadConfig(8, 2, 64, torch.float16)
 KV_ONCE = ("node", "node_chunk", "flatten")
@@ -274,9 +274,9 @@ def test_packed_leaf_items_cover_every_visible_token_once(rng, k, group):
     """Packing leaf items keeps every (query, visible token) pair planned exactly once (the tree
     mask keeps each query to its own leaf); the packed items are flagged masked, as are their
     launches, and the other items' launches are not."""
-    from treeattn.plan.build import build_plan
-    from treeattn.plan.items import WorkItems
-    from treeattn.plan.packing import pack_leaf_items
+    from treeattn.plan.lower.build import build_plan
+    from treeattn.plan.strategies.items import WorkItems
+    from treeattn.plan.strategies.leaf_packing import pack_leaf_items
 
     tree = tree_from_spec("1,3,24_37,5,3")
     heads = HeadConfig(8 * group, 8, 16, torch.float32)
@@ -324,8 +324,8 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     and every merge config of them, is a variant that ``precompile`` compiles: a serving loop that
     precompiled never waits for Triton's JIT."""
     from treeattn.precompile import launch_configs, persists
-    from treeattn.plan.merge import merge_config, merge_launches
-    from treeattn.plan.update import update_plan
+    from treeattn.plan.lower.merge_config import merge_config, merge_launches
+    from treeattn.plan.lower.update import update_plan
 
     hq, d = heads.num_qo_heads, heads.head_dim
     merges = {merge_config(n, hq, d, rows) for n, rows in merge_launches(hq, d)}

@@ -6,9 +6,9 @@ from helpers import random_tree
 
 from treeattn import HeadConfig
 from treeattn.plan import PLANNERS, CostModel
-from treeattn.plan.items import DeferredItems, WorkItems, items_from_groups
-from treeattn.plan.split import split_long_items
-from treeattn.topology import ranges
+from treeattn.plan.strategies.items import DeferredItems, WorkItems, items_from_groups
+from treeattn.plan.strategies.split import split_long_items
+from treeattn.tree.topology import ranges
 
 
 def split_reference(items: WorkItems, max_len, *, align: int = 16) -> WorkItems:

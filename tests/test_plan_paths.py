@@ -11,10 +11,10 @@ import torch
 from helpers import expected_coverage, paged_case, planned_coverage, random_tree, rel_l2, scratch_medusa
 from treeattn import DecodingTree, TreeAttention
 from treeattn.plan import CostModel, HeadConfig, build_plan
-from treeattn.plan.addressing import unit_runs
-from treeattn.plan.auto import estimate_items
-from treeattn.plan.leads import cut_at_leads, on_runs, run_leads, run_tokens, trunk_tokens
-from treeattn.plan.paths import (
+from treeattn.plan.lower.addressing import unit_runs
+from treeattn.plan.select.estimate import estimate_items
+from treeattn.plan.strategies.leads import cut_at_leads, on_runs, run_leads, run_tokens, trunk_tokens
+from treeattn.plan.strategies.paths import (
     OWN_ITEM_TOKENS,
     _pair_path_tiles,
     _whole_path_tiles,
@@ -23,7 +23,7 @@ from treeattn.plan.paths import (
     paths_variants,
 )
 from treeattn.reference import reference_attention
-from treeattn.workloads import tree_from_medusa, tree_from_spec
+from treeattn.tree import tree_from_medusa, tree_from_spec
 
 HEADS = (HeadConfig(8, 8, 64, torch.float16), HeadConfig(8, 2, 64, torch.float16), HeadConfig(16, 2, 64, torch.float16))
 

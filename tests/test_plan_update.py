@@ -5,8 +5,8 @@ import torch
 
 from helpers import expected_coverage, planned_coverage, random_tree, rel_l2
 from treeattn import STRATEGIES, DecodingTree, KVPool, TreeAttention, reference_attention
-from treeattn.plan.update import update_plan
-from treeattn.workloads import tree_from_medusa, tree_from_spec
+from treeattn.plan.lower.update import update_plan
+from treeattn.tree import tree_from_medusa, tree_from_spec
 
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from treeattn import precompile as pc
-from treeattn.plan.addressing import contig_configs, gathered_configs
-from treeattn.plan.plan import HeadConfig, launch_shapes
+from treeattn.plan.lower.addressing import contig_configs, gathered_configs
+from treeattn.plan.format import HeadConfig, launch_shapes
 from treeattn.precompile import precompile
 
 
@@ -143,10 +143,10 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
 
 def test_persistent_configs_include_the_tma_tall_tile():
     """With PDL and TMA at a GQA group of 4+, precompile compiles the TMA tall tile persistent too
-    (:func:`~treeattn.plan.addressing.persistent_tall` runs it over part of the SMs), the gathered
+    (:func:`~treeattn.plan.lower.addressing.persistent_tall` runs it over part of the SMs), the gathered
     tall launches at their persistent tile, and no contig launch that computes its addresses
     without TMA; without PDL, none."""
-    from treeattn.plan.addressing import TILE_TALL_GATHERED, TILE_TALL_TMA
+    from treeattn.plan.lower.addressing import TILE_TALL_GATHERED, TILE_TALL_TMA
 
     heads = HeadConfig(32, 8, 128, torch.float16)
     configs = pc.launch_configs(heads, tma=True, pdl=True)

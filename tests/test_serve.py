@@ -263,8 +263,8 @@ def test_prefix_cache_shares_pages_and_evicts_lru(one_thread):
 
 
 def test_bench_replays_the_trace(server, tmp_path):
-    from treeattn.serve.bench import bench_serve
-    from treeattn.workloads import find_shared
+    from treeattn.bench.serve import bench_serve
+    from treeattn.tree import find_shared
 
     _, srv = server
     try:
@@ -281,7 +281,7 @@ def test_bench_replays_the_trace(server, tmp_path):
 def test_system_prompt_is_a_three_level_shared_prefix():
     import numpy as np
 
-    from treeattn.serve.bench import build_requests
+    from treeattn.bench.serve import build_requests
 
     trace = [{"input_length": 20, "output_length": 4, "hash_ids": [0, i]} for i in range(1, 61)]
     spec = {"levels": (4, 6, 8), "locations": 3, "languages": 2}
@@ -300,7 +300,7 @@ def test_system_prompt_is_a_three_level_shared_prefix():
 def test_cli_parsers():
     import argparse
 
-    from treeattn.serve.cli import add_bench_serve_parser, add_serve_parser
+    from treeattn.cli.serve import add_bench_serve_parser, add_serve_parser
 
     p = argparse.ArgumentParser()
     sub = p.add_subparsers()
@@ -314,7 +314,7 @@ def test_cli_parsers():
 
 
 def test_bench_deadline_cancels_and_frees(server):
-    from treeattn.serve.bench import TraceRequest, replay, summarize
+    from treeattn.bench.serve import TraceRequest, replay, summarize
 
     sched, srv = server
     before = sched.stats()

@@ -12,8 +12,8 @@ import torch
 from helpers import TOL, rel_l2, scratch_medusa
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
-from treeattn.ops import _tma_descriptors
-from treeattn.plan.addressing import (
+from treeattn.launchers import _tma_descriptors
+from treeattn.plan.lower.addressing import (
     TILE_TALL_CONTIG,
     TILE_TALL_TMA,
     TMA_MIN_TOKENS,
@@ -21,13 +21,13 @@ from treeattn.plan.addressing import (
     tma_loads,
     tma_pays,
 )
-from treeattn.plan.auto import estimate_items
-from treeattn.plan.cost import CostModel
-from treeattn.plan.node import node_items
-from treeattn.plan.paths import paths_variants
-from treeattn.plan.plan import Launch
+from treeattn.plan.select.estimate import estimate_items
+from treeattn.plan.select.cost import CostModel
+from treeattn.plan.strategies.node import node_items
+from treeattn.plan.strategies.paths import paths_variants
+from treeattn.plan.format import Launch
 from treeattn.reference import reference_attention
-from treeattn.workloads import tree_from_spec
+from treeattn.tree import tree_from_spec
 
 HQ, HKV, D = 8, 2, 32
 

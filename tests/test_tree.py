@@ -97,7 +97,7 @@ def test_query_inside_node_sees_prefix():
 
 
 def test_ranges():
-    from treeattn.topology import ranges
+    from treeattn.tree.topology import ranges
     rng = np.random.default_rng(0)
     for n, c in ((0, 3), (5, 0), (50, 1), (200, 6), (40, 300)):
         starts = rng.integers(-50, 1000, n)

@@ -1,4 +1,4 @@
-"""Tests of the workload constructors in :mod:`treeattn.workloads`."""
+"""Tests of the workload constructors in :mod:`treeattn.tree.builders`."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from treeattn.workloads import (
+from treeattn.tree import (
     find_shared, load_kernel_suite, medusa_records, suite_trees, tree_from_block_tables,
     tree_from_medusa, tree_from_spec, tree_from_tot_template,
 )

@@ -5,7 +5,7 @@ Pipeline: a :class:`DecodingTree` (from parents and lengths, workload files, or 
 read every shared KV token once and merge partial results with log-sum-exp.
 """
 from treeattn.api import BACKENDS, TreeAttention, merge_states, tree_attention
-from treeattn.kv_pool import KVPool, KVPoolOutOfMemory
+from treeattn.paged_kv import KVPool, KVPoolOutOfMemory
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, PlanIO, make_plan
 from treeattn.reference import reference_attention
 from treeattn.tree import DecodingTree

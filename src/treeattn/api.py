@@ -5,11 +5,11 @@ import weakref
 
 import torch
 
-from treeattn.ops import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, launch_cache,
+from treeattn.launchers import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, launch_cache,
                           merge_partials, partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
-from treeattn.plan.addressing import tma_loads
-from treeattn.plan.update import update_plan
+from treeattn.plan.lower.addressing import tma_loads
+from treeattn.plan.lower.update import update_plan
 from treeattn.precompile import precompile
 from treeattn.reference import merge_states_torch, run_plan_torch
 from treeattn.tree import DecodingTree
@@ -53,7 +53,7 @@ class TreeAttention:
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
         them one after another on one stream, where the last launch merges the partial rows
-        itself when the plan allows (:attr:`~treeattn.plan.plan.Plan.merge_last`: no merge
+        itself when the plan allows (:attr:`~treeattn.plan.format.Plan.merge_last`: no merge
         launch). None: 0 where ``pdl`` applies (it overlaps the launches on one stream and was
         faster under graph replay on the H100: benchmarks/NOTES.md, session 31), else 3.
         Destroying a graph with side-stream branches waits for its queued replays, so code that
@@ -61,11 +61,11 @@ class TreeAttention:
     pdl : bool or None
         Run a plan's launches and its merge as programmatic dependent launches on one stream
         (CUDA devices of compute capability 9.0 or later, ``streams=0``): each launch starts
-        while the one before finishes (see :func:`treeattn.ops.partial_attention`). None: where
+        while the one before finishes (see :func:`treeattn.launchers.partial_attention`). None: where
         supported.
     tma : bool or None
         Tall launches over long runs of consecutive slots load K/V through tensor descriptors
-        (Hopper's TMA; 16-bit caches; :func:`treeattn.plan.addressing.tma_launches`). None: on
+        (Hopper's TMA; 16-bit caches; :func:`treeattn.plan.lower.addressing.tma_launches`). None: on
         CUDA devices of compute capability 9.0 or later. Ignored when ``cost`` is given (its
         ``tma`` decides).
 
@@ -135,7 +135,7 @@ class TreeAttention:
         already reads (every leaf grew by one token, say), the plan is patched in place of being
         rebuilt: same work items, longer KV ranges. Otherwise ``tree`` is planned again with
         ``plan``'s strategy and heads. A ``tree`` made from the plan's by
-        :meth:`~treeattn.tree.DecodingTree.append` is patched without comparing the two trees.
+        :meth:`~treeattn.tree.decoding_tree.DecodingTree.append` is patched without comparing the two trees.
         """
         patched = update_plan(plan, tree)
         if patched is not None:

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from treeattn.ops import merge_partials, partial_attention
-from treeattn.plan.addressing import (
+from treeattn.launchers import merge_partials, partial_attention
+from treeattn.plan.lower.addressing import (
     BESIDE_MIN_GROUP,
     SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
@@ -33,8 +33,8 @@ from treeattn.plan.addressing import (
     may_persist,
     persistent_tile,
 )
-from treeattn.plan.merge import launch_merges, merge_launches
-from treeattn.plan.plan import HeadConfig, Launch, launch_shapes
+from treeattn.plan.lower.merge_config import launch_merges, merge_launches
+from treeattn.plan.format import HeadConfig, Launch, launch_shapes
 
 __all__ = ["launch_configs", "persists", "precompile"]
 
@@ -44,13 +44,13 @@ log = logging.getLogger(__name__)
 def launch_configs(heads: HeadConfig, *, tma: bool = False, pdl: bool = False) -> list:
     """Every ``(block_m, block_n, num_warps, num_stages, contig, tma)`` an attention launch of a
     plan for ``heads`` can have (``tma``: plans may take
-    :func:`~treeattn.plan.addressing.tma_launches`; ``pdl``: plans run with PDL, whose tall
+    :func:`~treeattn.plan.lower.addressing.tma_launches`; ``pdl``: plans run with PDL, whose tall
     launches may run persistent): each planned shape gathering its slots or computing them, as
-    :mod:`treeattn.plan.addressing` configures each (contig launches may run one pipeline stage
+    :mod:`treeattn.plan.lower.addressing` configures each (contig launches may run one pipeline stage
     less, tall ones another tile, through tensor descriptors with ``tma``; gathered 32-row ones
     two warps, gathered tall ones their own tile; with ``pdl``, persistent launches their
-    :func:`~treeattn.plan.addressing.persistent_tile` and the contig ones beside them
-    :func:`~treeattn.plan.addressing.beside_persistent`'s)."""
+    :func:`~treeattn.plan.lower.addressing.persistent_tile` and the contig ones beside them
+    :func:`~treeattn.plan.lower.addressing.beside_persistent`'s)."""
     eb, group = heads.elem_bytes, heads.group
     out = []
     for m, n, warps, stages in launch_shapes(heads):
@@ -67,8 +67,8 @@ def launch_configs(heads: HeadConfig, *, tma: bool = False, pdl: bool = False) -
 
 def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
     """Whether a launch of ``cfg`` (a :func:`launch_configs` entry) may run persistent
-    (:func:`~treeattn.plan.addressing.persistent_tall`, plans run with ``pdl``, at the launch's
-    :func:`~treeattn.plan.addressing.persistent_tile`)."""
+    (:func:`~treeattn.plan.lower.addressing.persistent_tall`, plans run with ``pdl``, at the launch's
+    :func:`~treeattn.plan.lower.addressing.persistent_tile`)."""
     m, n, warps, stages, contig, tma = cfg
     return (pdl and may_persist(m, contig=contig, tma=tma, group=heads.group)
             and (n, warps, stages) == persistent_tile(n, warps, stages, elem_bytes=heads.elem_bytes, tma=tma))
@@ -81,12 +81,12 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     order x mask split x split tail; x persistent where :func:`persists`)
     and every merge variant once, on dummy data, so that Triton compiles them now rather than in
     the middle of serving (a first-seen shape stalls decoding for seconds).
-    ``pdl``: the variants :func:`~treeattn.ops.partial_attention` and
-    :func:`~treeattn.ops.merge_partials` launch with ``pdl``.
-    ``tma``: the plans may take :func:`~treeattn.plan.addressing.tma_launches`
-    (:func:`~treeattn.plan.addressing.tma_loads`).
-    ``merge_last``: the plans' last launch may merge (:attr:`~treeattn.plan.plan.Plan.merge_last`;
-    :attr:`~treeattn.plan.cost.CostModel.merge_last_min_group`); without it, no merging variant.
+    ``pdl``: the variants :func:`~treeattn.launchers.partial_attention` and
+    :func:`~treeattn.launchers.merge_partials` launch with ``pdl``.
+    ``tma``: the plans may take :func:`~treeattn.plan.lower.addressing.tma_launches`
+    (:func:`~treeattn.plan.lower.addressing.tma_loads`).
+    ``merge_last``: the plans' last launch may merge (:attr:`~treeattn.plan.format.Plan.merge_last`;
+    :attr:`~treeattn.plan.select.cost.CostModel.merge_last_min_group`); without it, no merging variant.
     ``workers``: on a CUDA device, first compile in this many worker processes (each launches
     every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
     this process then loads them from there). Each holds a CUDA context while it runs.

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from treeattn.plan.plan import Plan
+from treeattn.plan.format import Plan
 from treeattn.tree import DecodingTree
 
 __all__ = ["visibility_mask", "reference_attention", "run_plan_torch", "merge_states_torch"]

@@ -16,7 +16,7 @@ import torch
 
 from treeattn import STRATEGIES, TreeAttention
 from treeattn.bench.timing import copy_bandwidth, provenance, roofline_us, time_run
-from treeattn.workloads import find_shared, suite_trees, tree_from_spec
+from treeattn.tree import find_shared, suite_trees, tree_from_spec
 
 PEERS = ("pat_us", "fasttree_us", "flashinfer_decode_us", "flashinfer_cascade_us", "deft_us")
 HEAD_DIM = 128

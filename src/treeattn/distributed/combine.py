@@ -21,7 +21,7 @@ import triton
 
 from treeattn.distributed.comm import CommStats, all_reduce
 from treeattn.kernels.combine import _pack_kernel, _unpack_kernel
-from treeattn.ops import check_triton_device
+from treeattn.launchers import check_triton_device
 
 __all__ = ["allreduce_merge", "merge_running", "pack_partial", "unpack_merged"]
 

@@ -15,7 +15,7 @@ from treeattn.engine.beam import BeamSearchController
 from treeattn.engine.config import PRESETS, ModelConfig, load_config
 from treeattn.engine.controller import BranchController, Callbacks, SamplingController, periodic_branching
 from treeattn.engine.engine import TreeEngine
-from treeattn.engine.kv import KVCacheManager
+from treeattn.engine.node_slots import KVCacheManager
 from treeattn.engine.model import TreeModel
 from treeattn.engine.sampling import Sampler
 from treeattn.engine.step import StepStats

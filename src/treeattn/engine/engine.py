@@ -20,7 +20,7 @@ import torch
 
 from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
 from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
-from treeattn.engine.kv import KVCacheManager
+from treeattn.engine.node_slots import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.speculative import SpeculativeSteps
 from treeattn.engine.step import StepAttention, StepStats, Window

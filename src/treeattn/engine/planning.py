@@ -19,8 +19,8 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.engine.tuning import StrategyTuner
-from treeattn.plan.plan import masked_entries, split_masked_launches, unit_mask_terms
-from treeattn.plan.update import update_plan
+from treeattn.plan.format import masked_entries, split_masked_launches, unit_mask_terms
+from treeattn.plan.lower.update import update_plan
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -55,7 +55,7 @@ class StepPlanner:
         With ``strategy="auto"``, the concrete strategy auto picks is reused for up to this many
         plans while the tree's nodes, queries, KV tokens and sharing (tokens read by all queries
         over distinct tokens) stay within the same powers of two (1: decide every plan). A plan
-        without a decode window is also patched (:func:`~treeattn.plan.update.update_plan`) for
+        without a decode window is also patched (:func:`~treeattn.plan.lower.update.update_plan`) for
         up to this many following trees that only append tokens to its planned tails, while
         that shape key holds.
     tuner : treeattn.engine.tuning.StrategyTuner, optional

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from treeattn.distributed import allreduce_merge, plan_local, run_local
 from treeattn.distributed.combine import merge_running
 from treeattn.engine.engine import TreeEngine
-from treeattn.engine.kv import KVCacheManager
+from treeattn.engine.node_slots import KVCacheManager
 from treeattn.engine.planning import upload
 from treeattn.engine.tree_manager import SequenceTree
 
@@ -37,7 +37,7 @@ __all__ = ["ShardedKVCacheManager", "ShardedTreeEngine", "init_distributed"]
 
 
 class ShardedKVCacheManager(KVCacheManager):
-    """A :class:`~treeattn.engine.kv.KVCacheManager` that stores only this rank's tokens.
+    """A :class:`~treeattn.engine.node_slots.KVCacheManager` that stores only this rank's tokens.
 
     ``append`` returns a slot for every new token (the model writes all of them); the tokens of
     other ranks get :attr:`pad_slot`, a slot no token reads. ``own_slots`` / ``num_tokens`` report

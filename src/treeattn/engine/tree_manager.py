@@ -4,7 +4,7 @@
 Every node holds a run of tokens; a node's full sequence is the tokens of its root-to-node path.
 Only leaves grow: branching freezes a node and gives it children, pruning removes a subtree and
 then every frozen ancestor left without children. KV operations go to the
-:class:`~treeattn.engine.kv.KVCacheManager`. Tokens sampled on the device are recorded without
+:class:`~treeattn.engine.node_slots.KVCacheManager`. Tokens sampled on the device are recorded without
 synchronising and copied to the host only when someone reads them.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from treeattn import DecodingTree
-from treeattn.engine.kv import KVCacheManager
+from treeattn.engine.node_slots import KVCacheManager
 
 __all__ = ["SequenceTree", "Result"]
 

@@ -18,7 +18,7 @@ import torch
 from treeattn.engine.beam import BeamSearchController
 from treeattn.engine.controller import BranchController, SamplingController, periodic_branching
 from treeattn.engine.sampling import Sampler
-from treeattn.workloads import medusa_records, tree_from_medusa, tree_from_tot_template
+from treeattn.tree import medusa_records, tree_from_medusa, tree_from_tot_template
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "build_workload", "ToTReplayController",
            "SpeculativeReplayController", "random_prompt"]

@@ -1,7 +1,7 @@
 """Triton kernels: partial attention over work items (the merge of partial states is in
 :mod:`treeattn.kernels.merge`).
 
-Layouts (validated by the launchers in :mod:`treeattn.ops`):
+Layouts (validated by the launchers in :mod:`treeattn.launchers`):
   q        [Q, Hq, D]                          (last dim contiguous)
   k, v     [num_pages, page_size, Hkv, D]      (last dim contiguous; any other strides)
   o_part   [R, Hq, D] fp32 or q's 16-bit dtype, lse_part [R, Hq] fp32 (natural log)
@@ -342,14 +342,14 @@ def _tree_partial_attention_kernel(
     and the merge's wait covers them all.
 
     With ``MERGE_ROWS`` (a plan's last launch, when each query with several partial rows has
-    exactly one in it: :attr:`~treeattn.plan.plan.Plan.merge_last`), every program merges its
+    exactly one in it: :attr:`~treeattn.plan.format.Plan.merge_last`), every program merges its
     rows' queries' other rows, written by the launches before it, and writes the outputs: the
     plan needs no merge launch.
 
     With ``PERSIST``, the grid is 1-D and each program runs the launch's ``num_units`` units x
     KV heads in a grid-stride loop (in the order of the 2-D or ``HEADS_INNER`` grid): a launch
     of fewer programs than units, all started at once, so the launch after it gets the rest of
-    every SM from the start (:func:`~treeattn.plan.addressing.persistent_tall`).
+    every SM from the start (:func:`~treeattn.plan.lower.addressing.persistent_tall`).
     """
     if PDL:
         if pdl_first:

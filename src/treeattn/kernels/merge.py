@@ -1,7 +1,7 @@
 """Triton kernels: the log-sum-exp merge of a query's partial states (rows written by
 :mod:`treeattn.kernels.attention`), one row after another or a tile of rows at once.
 
-Layouts (validated by :func:`treeattn.ops.merge_partials`):
+Layouts (validated by :func:`treeattn.launchers.merge_partials`):
   o_part   [R, Hq, D] fp32 or 16-bit, lse_part [R, Hq] fp32 (natural log)
   out      [Q, Hq, D], lse_out [Q, Hq] fp32 (natural log)
 """

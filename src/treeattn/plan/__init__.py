@@ -1,17 +1,17 @@
 """Planners: a decoding tree -> work items -> a :class:`Plan` (host-side, one file per strategy)."""
 from __future__ import annotations
 
-from treeattn.plan.auto import plan_auto
-from treeattn.plan.build import build_plan
-from treeattn.plan.cost import CostModel
-from treeattn.plan.flatten import plan_flatten
-from treeattn.plan.greedy import plan_greedy
-from treeattn.plan.node import plan_node
-from treeattn.plan.node_chunk import plan_node_chunk
-from treeattn.plan.pack import plan_pack
-from treeattn.plan.paths import plan_paths
-from treeattn.plan.plan import HeadConfig, Launch, Plan, PlanIO
-from treeattn.plan.sequence import plan_sequence
+from treeattn.plan.select.auto import plan_auto
+from treeattn.plan.lower.build import build_plan
+from treeattn.plan.select.cost import CostModel
+from treeattn.plan.strategies.flatten import plan_flatten
+from treeattn.plan.strategies.greedy import plan_greedy
+from treeattn.plan.strategies.node import plan_node
+from treeattn.plan.strategies.node_chunk import plan_node_chunk
+from treeattn.plan.strategies.pat import plan_pack
+from treeattn.plan.strategies.paths import plan_paths
+from treeattn.plan.format import HeadConfig, Launch, Plan, PlanIO
+from treeattn.plan.strategies.sequence import plan_sequence
 from treeattn.tree import DecodingTree
 
 __all__ = ["STRATEGIES", "PLANNERS", "make_plan", "Plan", "PlanIO", "Launch", "HeadConfig", "CostModel"]

@@ -1,0 +1,3 @@
+from treeattn.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Command line of the server: ``treeattn serve`` and ``treeattn bench serve``.
+
+The main CLI registers them with :func:`add_serve_parser` (top-level sub-parsers) and
+:func:`add_bench_serve_parser` (the ``bench`` sub-command's sub-parsers); handlers return an exit
+code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+
+from treeattn import STRATEGIES
+from treeattn.cli.engine import add_model_args, load_model
+
+__all__ = ["add_serve_parser", "add_bench_serve_parser", "serve_command", "bench_serve_command"]
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``serve``: an OpenAI-compatible completions server with continuous batching."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, prefix cache)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded per step")
+    p.add_argument("--strategy", default="auto", choices=STRATEGIES)
+    p.add_argument("--prefix-block", type=int, default=64,
+                   help="prefix-cache granularity in tokens (a multiple of --page-size; 512 for PAT's trace)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + max_tokens (default: the model's and the KV pool's limit)")
+    p.add_argument("--served-model-name", default=None, help="default: the model directory or preset name")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=serve_command)
+    return p
+
+
+def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``serve`` (``treeattn bench serve``): PAT's conversation trace replayed online."""
+    p = subparsers.add_parser("serve", help="replay a request trace against a running server")
+    p.add_argument("--trace", default=None,
+                   help="JSON-lines trace (default: shared/workloads/pat/conversation_trace.jsonl)")
+    p.add_argument("--rate", type=float, required=True,
+                   help="requests per second, Poisson arrivals (<= 0: the trace's timestamps)")
+    p.add_argument("--duration", type=float, default=None, help="send requests arriving in this many seconds")
+    p.add_argument("--max-requests", type=int, default=None, help="use at most this many trace records")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
+    p.add_argument("--max-input-len", type=int, default=None, help="cap prompts (keeps shared blocks)")
+    p.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
+    p.add_argument("--system-prompt", default="pat", choices=("pat", "none"),
+                   help="prepend PAT's three-level system prompt (46/348/2123 tokens) to every prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--json", metavar="OUT", default=None, help="write the summary here")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=bench_serve_command)
+    return p
+
+
+def serve_command(args) -> int:
+    from treeattn.engine import TreeEngine
+    from treeattn.serve.scheduler import Scheduler
+    from treeattn.serve.server import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.prefix_block % args.page_size:
+        log.warning("--prefix-block %d is not a multiple of --page-size %d: cached blocks will "
+                    "copy partly filled pages", args.prefix_block, args.page_size)
+    model = load_model(args)
+    engine = TreeEngine(model, strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens,
+                        window=args.window, cuda_graphs=False if args.no_cuda_graphs else None,
+                        tune=args.tune, keep_reserved=True, compile_workers=args.compile_workers)
+    limit = min(model.config.max_position_embeddings, args.kv_tokens)
+    max_len = min(args.max_model_len, limit) if args.max_model_len else limit
+    name = args.served_model_name or args.model or args.random_weights
+    t0 = time.perf_counter()
+    if engine.precompile_kernels():
+        log.info("compiled the attention kernels in %.1f s", time.perf_counter() - t0)
+    # capture every decode batch's CUDA graphs now: a capture (and the JIT of the kernels it
+    # meets) in the middle of serving stalls every running request for seconds
+    t0 = time.perf_counter()
+    engine.prepare_graphs(range(1, args.max_batch + 1))
+    if engine.graphs is not None:
+        log.info("captured the decode graphs for 1-%d sequences in %.1f s", args.max_batch,
+                 time.perf_counter() - t0)
+    scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
+                          block_tokens=args.prefix_block)
+    log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
+             max_len, engine.pool.num_pages)
+    run_server(scheduler, host=args.host, port=args.port, model_name=name, tokenizer=model.tokenizer,
+               max_model_len=max_len, log_level=args.log_level)
+    return 0
+
+
+def _fmt(s: dict) -> str:
+    def ms(d):
+        return "n/a" if d["mean_ms"] is None else f"mean {d['mean_ms']:9.1f} ms   P99 {d['p99_ms']:9.1f} ms"
+    return "\n".join([
+        (f"requests   {s['completed']}/{s['requests']} completed, {s['failed']} failed "
+         f"({s['rejected_429']} rejected with 429) in {s['duration_s']:.1f} s"),
+        f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s",
+        f"TTFT       {ms(s['ttft'])}", f"TPOT       {ms(s['tpot'])}", f"latency    {ms(s['latency'])}",
+    ] + [f"error: {e}" for e in s["errors"]])
+
+
+def bench_serve_command(args) -> int:
+    from treeattn.bench.serve import PAT_SYSTEM_PROMPT, bench_serve
+    from treeattn.tree import find_shared
+
+    trace = args.trace or find_shared() / "workloads" / "pat" / "conversation_trace.jsonl"
+    summary = bench_serve(trace, url=args.url, rate=args.rate, duration=args.duration,
+                          max_requests=args.max_requests, block_tokens=args.block_tokens, seed=args.seed,
+                          max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                          timeout=args.timeout, progress=not args.no_progress,
+                          system_prompt=PAT_SYSTEM_PROMPT if args.system_prompt == "pat" else None)
+    print(_fmt(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1

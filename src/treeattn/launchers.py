@@ -1,0 +1,327 @@
+"""Launchers: validate devices, dtypes, shapes and strides, then launch the Triton kernels.
+
+They never synchronise with the host and allocate nothing when given their outputs, so a
+sequence of launches can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+from triton.compiler.compiler import CompiledKernel
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from treeattn.kernels.attention import _tree_partial_attention_kernel
+from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
+from treeattn.kernels.state import LOG2E
+from treeattn.plan.lower.merge_config import merge_config, merge_row_tile
+from treeattn.plan.format import Plan
+
+__all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
+           "launch_cache", "check_triton_device"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_triton_device(t: torch.Tensor) -> None:
+    """Raise RuntimeError when ``t`` is on the CPU and Triton's interpreter is off (a kernel would
+    fail deep in Triton's launcher)."""
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                           "triton is imported to run the kernels on CPU tensors")
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: Plan) -> None:
+    """Raise TypeError/ValueError naming the first problem with ``q``, the caches or the plan."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_queries, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("k_cache and v_cache must both be [num_pages, page_size, num_kv_heads, head_dim]"
+                         f", got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if not (q.device == k_cache.device == v_cache.device == plan.device):
+        raise ValueError(f"device mismatch: q on {q.device}, k_cache on {k_cache.device}, "
+                         f"v_cache on {v_cache.device}, plan on {plan.device}")
+    h = plan.heads
+    nq, hq, d = q.shape
+    _, page_size, hkv, dk = k_cache.shape
+    if nq != plan.num_queries:
+        raise ValueError(f"q has {nq} queries but the plan was made for {plan.num_queries}")
+    if (hq, hkv, d, dk) != (h.num_qo_heads, h.num_kv_heads, h.head_dim, h.head_dim):
+        raise ValueError(f"head shape mismatch: q has {hq} heads of dim {d}, the caches {hkv} heads of "
+                         f"dim {dk}; the plan expects {h.num_qo_heads}/{h.num_kv_heads} heads of dim "
+                         f"{h.head_dim}")
+    if page_size != plan.page_size:
+        raise ValueError(f"k_cache has page size {page_size} but the tree was planned with "
+                         f"{plan.page_size}")
+    if plan.min_slots > k_cache.shape[0] * page_size:
+        raise ValueError(f"page out of range: the plan reads slot {plan.min_slots - 1} but the cache "
+                         f"has {k_cache.shape[0]} pages of {page_size}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+
+
+def launch_cache(plan: Plan) -> dict:
+    """The compiled kernels that :func:`partial_attention` and :func:`merge_partials` launch for
+    ``plan`` (kept on the plan object: made on its first run, reused by every layer and step).
+
+    Triton binds and specialises every argument on each ``kernel[grid](...)`` call, ~25 us of
+    host time a launch on the H200's host against ~9 us for the launch itself
+    (benchmarks/probe_launch.py). A call whose inputs match an earlier one's in everything
+    Triton specialises on (dtypes, 16-byte alignment of the tensors, the scalars, the
+    constexprs and launch options) launches that call's compiled kernel directly. Under
+    Triton's interpreter nothing is compiled or kept."""
+    return plan.__dict__.setdefault("_launch_cache", {})
+
+
+def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
+    """Whether an element offset of a :func:`partial_attention` call may reach 2^31: a bound on
+    every tensor's span from the call's ``strides`` (in that function's order), the plan's
+    shapes and the caches' ``num_pages``, in a few integer operations (reading each tensor's
+    shape and strides again cost ~7 us a call, a quarter of an eager run's host time)."""
+    sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, sp0, sp1, spl, so0, so1, sl = strides
+    h = plan.heads
+    hq, hkv, d = h.num_qo_heads, h.num_kv_heads, h.head_dim
+    rows = max(plan.num_queries, plan.num_rows)  # (the output may be the partial rows' buffer)
+    ps = plan.page_size
+    spans = (rows * max(sq0, sp0, so0) + hq * max(sq1, sp1, so1) + d, rows * max(spl, sl) + hq,
+             num_pages * sk0 + ps * sk1 + hkv * sk2 + d, num_pages * sv0 + ps * sv1 + hkv * sv2 + d,
+             4 * plan.kv_indices.numel())  # (the tree mask: a record of 4 an entry)
+    return max(spans) >= 1 << 31
+
+
+def _aligned(*tensors) -> tuple:
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None, key) -> None:
+    """``kernel[grid](*args, **kwargs)``, keeping the compiled kernel in ``cache`` under ``key``
+    (which must tell apart every specialisation of these arguments) for :func:`_launch_kept`."""
+    compiled = kernel[grid](*args, **kwargs)
+    if cache is None:
+        return
+    params = kernel.params[len(args):]
+    if isinstance(compiled, CompiledKernel) and all(p.name in kwargs or p.has_default for p in params):
+        # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
+        cache[key] = (compiled, grid + (1,) * (3 - len(grid)),
+                      tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params))
+
+
+def _launch_kept(cache: dict | None, key, args: tuple) -> bool:
+    """Launch the compiled kernel kept under ``key`` with ``args``; False when there is none."""
+    hit = cache.get(key) if cache is not None else None
+    if hit is None:
+        return False
+    compiled, grid, tail = hit
+    compiled[grid](*args, *tail)
+    return True
+
+
+def _pdl_kwargs(pdl: bool) -> dict:
+    """Launch options of a programmatic dependent launch (the kernels' ``PDL`` branches included)."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {}
+
+
+def _tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride: int,
+                     block_n: int) -> tuple | None:
+    """Tensor descriptors (K, V) over the caches' slots for :attr:`Launch.tma` launches: 2-D
+    ``[rows, Hkv * D]``, one row a slot, from ``k_cache``'s first slot to the end of its storage
+    (so every layer ``layer_stride`` elements on is inside), ``[block_n, D]`` boxes. None where the
+    layout does not allow it (the launch then loads through pointers, with the same result):
+    slots not evenly strided across pages, heads not adjacent, strides or bases not 16-byte
+    aligned, layers not a whole number of slots apart, or K and V strided differently."""
+    _, page_size, hkv, d = k_cache.shape
+    sp, ss, sh, _ = k_cache.stride()
+    eb = k_cache.element_size()
+    if (v_cache.stride() != k_cache.stride() or sh != d or sp != page_size * ss or (ss * eb) % 16
+            or layer_stride % ss or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16):
+        return None
+    descs = []
+    for t in (k_cache, v_cache):
+        avail = t.untyped_storage().nbytes() // eb - t.storage_offset()
+        rows = (avail - hkv * d) // ss + 1
+        descs.append(TensorDescriptor(t, [rows, hkv * d], [ss, 1], [block_n, d]))
+    return tuple(descs)
+
+
+def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
+                      o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
+                      out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                      streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
+                      layer_stride: int = 0, pdl: bool = False, merge_last: bool = False) -> None:
+    """Launch the partial-attention kernel for every launch group of ``plan`` (on CUDA, through
+    the plan's :func:`launch_cache`).
+
+    Writes ``o_part [R, Hq, D]`` (``plan.heads.partial_dtype``) and ``lse_part [R, Hq]`` (fp32,
+    natural-log LSE) of the rows
+    the merge reads. Queries with a single row (``plan.row_direct``) are written straight to
+    ``out [Q, Hq, D]`` (and ``lse_out [Q, Hq]`` fp32 when given), which must then be given.
+
+    With ``layer`` (int32 ``[1]`` on the device) the caches are those of layer ``layer[0]``,
+    ``layer_stride`` elements apart starting at ``k_cache`` / ``v_cache`` (a CUDA graph of the
+    launches then serves every layer).
+
+    With CUDA ``streams``, launches after the first run on them (round robin), forked from and
+    joined back into the current stream, so launches of different tile shapes run side by side
+    (PAT's multi-stream forward; a CUDA graph captures them as parallel branches). The first
+    launch is the tallest with ``plan.tall_first``, else the shortest.
+
+    Launches with :attr:`~treeattn.plan.format.Launch.tma` read K/V through tensor descriptors
+    (:func:`_tma_descriptors`) where the caches' layout allows, through pointers otherwise.
+
+    With ``pdl`` (CUDA, compute capability 9.0 or later, no ``streams``) the launches are
+    programmatic dependent launches: each one after the first starts once every program of the
+    one before has started, and they finish in order (see the kernel), so they overlap on one
+    stream as on side streams. The next kernel on the stream must be a
+    :func:`merge_partials` with ``pdl`` or an ordinary launch.
+
+    With ``merge_last`` (``plan.merge_last``, no ``streams``) the launch that runs last merges
+    every query's partial rows and writes ``out``: no :func:`merge_partials` follows.
+    """
+    check_triton_device(q)
+    h = plan.heads
+    block_d = max(16, 1 << (h.head_dim - 1).bit_length())
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    mask_args = (plan.tree_mask, plan.query_pos, plan.query_prefix)
+    if not plan.has_mask:
+        mask_args = (plan.kv_indices,) * 3  # never read: HAS_MASK is off
+    direct = plan.num_direct > 0
+    if direct and out is None:
+        raise ValueError("this plan writes single-row queries to the output: pass out=")
+    if merge_last and (not plan.merge_last or out is None or streams):
+        raise ValueError("merge_last needs a plan whose last launch can merge (plan.merge_last), out= "
+                         "and no side streams")
+    out_arg = out if out is not None else o_part  # never written without DIRECT
+    lse_arg = lse_out if lse_out is not None else lse_part
+    if layer is None:
+        layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
+    side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
+               lse_part.stride(0), out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
+    # int64 offsets only where some tensor may span 2^31 elements (a cache past 4 GiB in 16 bits):
+    # int32 ones take about half the address instructions
+    wide = _wide(plan, strides, k_cache.shape[0])
+    cache = call = None
+    if q.device.type == "cuda":
+        # what this call's launches are specialised on beyond the plan's own tensors (fixed for
+        # the plan object) and each launch's config: one key part for all of them
+        cache = launch_cache(plan)
+        call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None,
+                pdl, merge_last, wide, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
+    if pdl and (side or q.device.type != "cuda"):
+        raise ValueError("pdl needs CUDA tensors and no side streams")
+    pdl_args = _pdl_kwargs(pdl)
+    main = torch.cuda.current_stream(q.device) if side else None
+    for stream in side:  # fork before anything is queued on the main stream
+        stream.wait_stream(main)
+
+    last = len(plan.launches) - 1
+
+    def launch_group(i: int, launch, first: bool) -> None:
+        descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
+                 if launch.tma and launch.contig and h.head_dim == block_d else None)
+        args = (
+            q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
+            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
+            plan.row_q_indices, plan.row_direct, *mask_args, plan.merge_indptr, plan.merge_indices,
+            launch.work_start, launch.work_end - launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer,
+            layer_stride, int(first),
+            *strides)
+        # (descriptors go through Triton's own path: it specialises them on more)
+        kept = cache if descs is None else None
+        if _launch_kept(kept, (i, call), args):
+            return
+        units = launch.work_end - launch.work_start
+        merges = merge_last and i == last
+        if launch.programs:
+            grid = (min(launch.programs, units * h.num_kv_heads),)
+        elif launch.heads_inner:
+            grid = (units * h.num_kv_heads,)
+        else:
+            grid = (units, h.num_kv_heads)
+        kwargs = dict(
+            GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
+            HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
+            CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
+            WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
+            TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, WIDE=wide,
+            num_warps=launch.num_warps,
+            num_stages=launch.num_stages, **pdl_args)
+        _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))
+
+    for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
+        if i == 0 or not side:
+            launch_group(i, launch, i == 0)
+        else:
+            with torch.cuda.stream(side[(i - 1) % len(side)]):
+                launch_group(i, launch, False)
+    for stream in side:  # join: the merge (and the caller) see every launch's rows
+        main.wait_stream(stream)
+
+
+def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
+                   merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
+                   lse_out: torch.Tensor | None, *, max_rows: int = 4, block_h: int | None = None,
+                   num_warps: int | None = None, row_tile: int | None = None, pdl: bool = False,
+                   cache: dict | None = None) -> None:
+    """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
+    (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
+    ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``max_rows``: the most rows a merged
+    query has (``Plan.merge_rows_max``), which sizes the row tile of few queries' merges; any
+    count merges correctly. ``block_h`` (heads per program, a power of two), ``num_warps`` and
+    ``row_tile`` (0: the row loop) override :func:`merge_config` (benchmarks/sweep_merge.py,
+    probe_merge_rows.py).
+    With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
+    launch that waits for the partial rows on the device. ``cache``: the :func:`launch_cache` of
+    the plan these index tensors are (CUDA only)."""
+    n = merge_q_indices.numel()
+    if n == 0:  # (every query's row was final: nothing to merge or check)
+        return
+    check_triton_device(o_part)
+    for name, t in (("merge_q_indices", merge_q_indices), ("merge_indptr", merge_indptr),
+                    ("merge_indices", merge_indices)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor (got {t.dtype}, strides {t.stride()})")
+    heads, d = out.shape[1:]
+    block_d = triton.next_power_of_2(d)
+    cfg = merge_config(n, heads, d, max_rows)
+    if row_tile is None:  # the config's kernel; its tile resized only for overridden heads or warps
+        row_tile = cfg[2]
+        if row_tile and (block_h or num_warps):
+            row_tile = merge_row_tile(max_rows, block_h or cfg[0], block_d, num_warps or cfg[1])
+    block_h, num_warps = block_h or cfg[0], num_warps or cfg[1]
+    grid = (n, triton.cdiv(heads, block_h))
+    lse_arg = lse_out if lse_out is not None else lse_part
+    args = (o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
+            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
+            out.stride(0), out.stride(1), lse_arg.stride(0))
+    key = None
+    if cache is not None:
+        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, row_tile,
+               num_warps, pdl, lse_out is not None, _aligned(*args[:7]))
+        if _launch_kept(cache, key, args):
+            return
+    kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
+                  num_warps=num_warps, **_pdl_kwargs(pdl))
+    if row_tile:
+        _launch(_merge_tile_kernel, grid, args, {**kwargs, "BLOCK_R": row_tile}, cache, key)
+    else:
+        _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
+
+
+def default_scale(head_dim: int, sm_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
