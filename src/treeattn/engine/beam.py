@@ -1,11 +1,18 @@
 """Beam search as a branch controller, step for step the algorithm of Hugging Face transformers'
 ``generate(num_beams=k, do_sample=False)`` (v4.50+ vectorised beam search, batch size 1): the same
 candidate set (top ``max(2, 1 + #eos) * k``), length penalty, early-stopping heuristic and
-finished-hypothesis bookkeeping, so both return the same sequences.
+finished-hypothesis bookkeeping, so both return the same sequences and scores.
 
-On the tree: a beam selected once continues in place, a beam selected ``m > 1`` times branches into
-``m`` children sharing its KV, and a beam not selected is pruned (with every ancestor left without
-live descendants).
+Everything a step decides stays on the device: scores, the selected parents and tokens, the
+finished hypotheses and the stop condition. The host never waits for the GPU inside the loop, so
+it plans and enqueues step ``t + 1`` while the GPU runs step ``t``.
+
+On the tree: the prompt is one root whose KV all ``k`` beams share (read once a step by
+prefix-aware attention); each beam is a child leaf holding the tokens it generated. The tree's
+shape is therefore fixed for the whole search, and the engine plans it once per decode window.
+When beam ``j`` continues beam ``p``'s hypothesis, the KV of ``p``'s generated tokens is copied
+into ``j``'s slots on the device (one gather of ``k x generated`` tokens over all layers a step,
+what the host could only avoid by waiting for the selection). The prompt is never copied.
 """
 from __future__ import annotations
 
@@ -35,14 +42,29 @@ class BeamSearchController(BranchController):
     eos_token_ids : sequence of int
     num_return_sequences : int, optional
         Default ``num_beams``.
+    poll_every : int
+        The host reads the device's "search finished" flag without waiting: the flag is copied
+        asynchronously every step and read once the copy has landed. A finished search freezes
+        its results on the device, so the few steps that run before the host sees the flag
+        change nothing but time; ``poll_every`` steps at the latest, the host waits for it.
+
+    Notes
+    -----
+    The sequences of the search live on the device; ``engine.tree.tokens`` of a beam's leaf is
+    not its hypothesis (beams swap histories). :meth:`result` copies them to the host once.
     """
 
     def __init__(self, prompt, *, num_beams: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
-                 early_stopping=False, eos_token_ids=(), num_return_sequences: int | None = None):
-        if not prompt:
+                 early_stopping=False, eos_token_ids=(), num_return_sequences: int | None = None,
+                 poll_every: int = 8):
+        if not len(prompt):
             raise ValueError("beam search needs a non-empty prompt")
         if num_beams < 1 or max_new_tokens < 1:
             raise ValueError(f"num_beams and max_new_tokens must be >= 1, got {num_beams}, {max_new_tokens}")
+        if early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+        if poll_every < 1:
+            raise ValueError(f"poll_every must be >= 1, got {poll_every}")
         self.prompt = [int(t) for t in prompt]
         self.k, self.max_new = num_beams, max_new_tokens
         self.length_penalty, self.early_stopping = float(length_penalty), early_stopping
@@ -51,57 +73,83 @@ class BeamSearchController(BranchController):
         if not 1 <= self.n_return <= num_beams:
             raise ValueError(f"num_return_sequences must be in [1, {num_beams}]")
         self.keep = max(2, 1 + len(self.eos)) * num_beams
+        self.poll_every = poll_every
+
+    def query_counts(self) -> list:
+        return [self.k]
 
     def start(self, engine) -> None:
+        vocab = engine.model.config.vocab_size
+        if self.k > vocab:
+            raise ValueError(f"num_beams={self.k} exceeds the vocabulary ({vocab} tokens)")
         root = engine.tree.add_root()
         engine.prefill(root, self.prompt)
-        k = self.k
-        self.nodes = [root] * k
-        self.seqs = [list(self.prompt) for _ in range(k)]
-        self.run_scores = torch.full((k,), _NEG)
+        k, d = self.k, engine.device
+        self.nodes = [root] if k == 1 else engine.tree.branch(root, k)
+        self.dev = d
+        self.gen = torch.zeros(k, self.max_new, dtype=torch.int64, device=d)     # running beams' tokens
+        self.run_scores = torch.full((k,), _NEG, device=d)
         self.run_scores[0] = 0.0
-        self.fin_seqs = [list(self.prompt) for _ in range(k)]
-        self.fin_scores = torch.full((k,), _NEG)
-        self.fin_flags = torch.zeros(k, dtype=torch.bool)
-        self.improvable = True
+        self.fin_gen = torch.zeros(k, self.max_new, dtype=torch.int64, device=d)
+        self.fin_len = torch.zeros(k, dtype=torch.int64, device=d)
+        self.fin_scores = torch.full((k,), _NEG, device=d)
+        self.fin_flags = torch.zeros(k, dtype=torch.bool, device=d)
+        self.improvable = torch.ones((), dtype=torch.bool, device=d)
+        self.done = torch.zeros((), dtype=torch.bool, device=d)
+        self.eos_ids = torch.tensor(self.eos, dtype=torch.int64, device=d)
         self.cur_len = len(self.prompt)
         self.max_length = self.cur_len + self.max_new
+        self._flag = None       # (host copy of ``done``, its copy event) in flight
+        self._since_poll = 0
 
     def step(self, engine, step: int) -> bool:
-        k, prompt_len = self.k, len(self.prompt)
+        if step >= self.max_new or self._finished():
+            return False
+        k, prompt_len, t = self.k, len(self.prompt), step
         logits = engine.logits_for(self.nodes)
-        logp = torch.log_softmax(logits.float(), dim=-1) + self.run_scores.to(logits.device)[:, None]
+        logp = torch.log_softmax(logits.float(), dim=-1) + self.run_scores[:, None]
         vocab = logp.shape[-1]
         top_v, top_i = torch.topk(logp.reshape(-1), self.keep)
-        top_v, top_i = top_v.cpu(), top_i.cpu()
-        beam, tok = (top_i // vocab).tolist(), (top_i % vocab).tolist()
-        cand = [self.seqs[b] + [t] for b, t in zip(beam, tok)]
-        hits = torch.tensor([t in self.eos or self.cur_len + 1 >= self.max_length for t in tok])
-        # running beams for the next step: the best k candidates that did not stop
+        beam, tok = top_i // vocab, top_i % vocab
+        last = self.cur_len + 1 >= self.max_length     # (host-known: every candidate has this length)
+        if last:
+            hits = torch.ones_like(tok, dtype=torch.bool)
+        else:
+            hits = (tok[:, None] == self.eos_ids).any(-1)
+        # running beams of the next step: the best k candidates that did not stop
         run_lp = top_v + hits.float() * _NEG
-        nxt = torch.topk(run_lp, k).indices.tolist()
+        nxt = torch.topk(run_lp, k).indices
         # finished hypotheses: stopped candidates among the top k, length-penalised
-        just = hits & (torch.arange(self.keep) < k)
-        fin_lp = top_v / ((self.cur_len + 1 - prompt_len) ** self.length_penalty)
-        if bool(self.fin_flags.all()) and self.early_stopping is True:
-            fin_lp = fin_lp + _NEG
-        if not self.improvable:
-            fin_lp = fin_lp + _NEG
-        fin_lp = fin_lp + (~just).float() * _NEG
+        cand_gen = self.gen[beam]
+        cand_gen[:, t] = tok
+        just = hits & (torch.arange(self.keep, device=self.dev) < k)
+        fin_lp = top_v / float((self.cur_len + 1 - prompt_len) ** self.length_penalty)
+        if self.early_stopping is True:
+            fin_lp = fin_lp + self.fin_flags.all().float() * _NEG
+        fin_lp = fin_lp + (~self.improvable).float() * _NEG + (~just).float() * _NEG
         merged = torch.cat((self.fin_scores, fin_lp))
-        best = torch.topk(merged, k).indices.tolist()
-        seqs = self.fin_seqs + cand
-        flags = torch.cat((self.fin_flags, just))
-        self.fin_seqs = [seqs[i] for i in best]
-        self.fin_scores, self.fin_flags = merged[best], flags[best]
+        best = torch.topk(merged, k).indices
+        keep_old = self.done        # a finished search keeps its results while the host catches up
+        self.fin_gen = torch.where(keep_old, self.fin_gen, torch.cat((self.fin_gen, cand_gen))[best])
+        self.fin_len = torch.where(keep_old, self.fin_len,
+                                   torch.cat((self.fin_len, torch.full_like(just, t + 1, dtype=torch.int64)))[best])
+        self.fin_scores = torch.where(keep_old, self.fin_scores, merged[best])
+        self.fin_flags = torch.where(keep_old, self.fin_flags, torch.cat((self.fin_flags, just))[best])
         self.run_scores = run_lp[nxt]
         self.cur_len += 1
         self._update_improvable(prompt_len)
-        alive = self.improvable and not (bool(self.fin_flags.all()) and self.early_stopping is True) \
-            and not bool(hits.all())
-        if not alive:
+        stopped = ~self.improvable | hits.all()
+        if self.early_stopping is True:
+            stopped = stopped | self.fin_flags.all()
+        self.done = self.done | stopped
+        self._post_flag()
+        if last:
             return False
-        self._advance(engine, [beam[j] for j in nxt], [tok[j] for j in nxt])
+        parents, tokens = beam[nxt], tok[nxt]
+        self.gen = cand_gen[nxt]
+        if k > 1 and t > 0:
+            self._reorder_kv(engine, parents)
+        engine.decode(self.nodes, tokens, horizon=self.max_new - step - 1)
         return True
 
     def _update_improvable(self, prompt_len: int) -> None:
@@ -109,31 +157,49 @@ class BeamSearchController(BranchController):
             best_len = self.max_length - prompt_len
         else:
             best_len = self.cur_len - prompt_len
-        best_running = float(self.run_scores[0]) / (best_len ** self.length_penalty)
-        worst = torch.where(self.fin_flags, self.fin_scores.min(), torch.tensor(_NEG))
-        self.improvable = self.improvable and bool((best_running > worst).any())
+        best_running = self.run_scores[0] / float(best_len ** self.length_penalty)
+        worst = torch.where(self.fin_flags, self.fin_scores.min(), torch.full_like(self.fin_scores, _NEG))
+        self.improvable = self.improvable & (best_running > worst).any()
 
-    def _advance(self, engine, parents: list, tokens: list) -> None:
-        """Move the tree to the new running beams and feed their last tokens."""
-        tree = engine.tree
-        old = self.nodes
-        chosen: dict[int, list] = {}
-        for j, b in enumerate(parents):
-            chosen.setdefault(old[b], []).append(j)
-        nodes = [0] * self.k
-        for node, js in chosen.items():
-            kids = [node] if len(js) == 1 else tree.branch(node, len(js))
-            for j, kid in zip(js, kids):
-                nodes[j] = kid
-        for node in dict.fromkeys(old):
-            if node not in chosen and node in tree:
-                tree.prune(node)
-        self.seqs = [self.seqs[b] + [t] for b, t in zip(parents, tokens)]
-        self.nodes = nodes
-        engine.decode(nodes, upload(np.asarray(tokens), engine.device))
+    def _reorder_kv(self, engine, parents: torch.Tensor) -> None:
+        """Beam ``j`` continues hypothesis ``parents[j]``: copy that beam's generated KV into ``j``'s
+        slots (every layer, on the device, no host wait)."""
+        own = np.stack([engine.kv.own_slots(n) for n in self.nodes])     # [k, generated (this rank's)]
+        if not own.shape[1]:
+            return
+        dst = upload(own, engine.device)
+        engine.kv.copy(dst[parents].reshape(-1), dst.reshape(-1))
+
+    def _post_flag(self) -> None:
+        """Start copying ``done`` to the host (pinned, asynchronous on CUDA)."""
+        if self._flag is not None:
+            return
+        if self.done.device.type != "cuda":
+            self._flag = (self.done.clone(), None)
+            return
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(self.done, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._flag = (host, ev)
+
+    def _finished(self) -> bool:
+        """Whether the device has flagged the search finished, as far as the host knows without
+        waiting (waiting only every ``poll_every`` steps)."""
+        if self._flag is None:
+            return False
+        host, ev = self._flag
+        self._since_poll += 1
+        if ev is not None and not ev.query():
+            if self._since_poll < self.poll_every:
+                return False
+            ev.synchronize()
+        self._flag, self._since_poll = None, 0
+        return bool(host)
 
     def result(self, engine) -> dict:
         """``{"sequences": [[ids incl. prompt], ...], "scores": [...]}``, best first."""
         n = self.n_return
-        return {"sequences": [list(s) for s in self.fin_seqs[:n]],
-                "scores": [float(s) for s in self.fin_scores[:n]]}
+        gen, lens, scores = (x[:n].tolist() for x in (self.fin_gen, self.fin_len, self.fin_scores))
+        return {"sequences": [self.prompt + g[:m] for g, m in zip(gen, lens)],
+                "scores": [float(s) for s in scores]}
