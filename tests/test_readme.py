@@ -60,10 +60,16 @@ def _check_quickstart(s):
     k, v = pool.k_cache(0), pool.v_cache(0)
     k.copy_(torch.randn_like(k))
     v.copy_(torch.randn_like(v))
-    q = torch.randn(4, 32, 128, dtype=k.dtype)
+    q = torch.randn(4, 32, 128, dtype=k.dtype, device=k.device)
     o = s["wrapper"].run(q, k, v, s["plan"])
     ref, _ = reference_attention(q, k, v, tree)
-    torch.testing.assert_close(o.double(), ref, atol=1e-4, rtol=1e-4)
+    tol = _tol(k)
+    torch.testing.assert_close(o.double(), ref, atol=tol, rtol=tol)
+
+
+def _tol(t: torch.Tensor) -> float:
+    """fp32 on CPU is exact to rounding; on a GPU the examples run fp16, or fp32 through TF32 MMAs."""
+    return 1e-4 if t.device.type == "cpu" else 2e-2
 
 
 def _check_engine(s):
@@ -77,11 +83,12 @@ def _check_distributed(s):
     import treeattn
 
     q, k, v = s["q"], s["k"], s["v"]
+    tol = _tol(q)
     torch.testing.assert_close(s["o"], treeattn.tree_attention(q, k, v, s["parents"], s["lengths"]))
     p = torch.softmax(torch.einsum("qhd,thd->hqt", q, k.repeat_interleave(4, 1)) / 8, -1)
     dense = torch.einsum("hqt,thd->qhd", p, v.repeat_interleave(4, 1))
-    torch.testing.assert_close(s["o_tree"], dense)
-    torch.testing.assert_close(s["o_ring"], dense)
+    torch.testing.assert_close(s["o_tree"], dense, atol=tol, rtol=tol)
+    torch.testing.assert_close(s["o_ring"], dense, atol=tol, rtol=tol)
 
 
 CHECKS = [
