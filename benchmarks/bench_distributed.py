@@ -20,7 +20,7 @@ rewritten after every case) and a PNG (``--plot``).
 2 GPUs (about 2 minutes on 2 x H200)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_distributed.py \\
-        --out benchmarks/results/h200x2_distributed.json --plot benchmarks/results/h200x2_distributed.png
+        --out benchmarks/results/distributed_h200x2.json --plot benchmarks/results/distributed_h200x2.png
 
 Without torchrun the script spawns ``--world-size`` processes itself. CPU logic check (gloo, fp32,
 tiny contexts, torch backend; a few seconds)::

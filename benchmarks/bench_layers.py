@@ -16,7 +16,7 @@ unfused outputs are compared (relative L2 of ``h1`` and ``q``, and of the cached
 
 On one H200 (a minute)::
 
-    python benchmarks/bench_layers.py --out benchmarks/results/h200_layers.json
+    python benchmarks/bench_layers.py --out benchmarks/results/layers_h200.json
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ side, as the engine's decode windows do); a step's latency is CUDA-event time of
 2 x H200 (a few minutes; the 256K prefill takes about a minute)::
 
     torchrun --nproc-per-node 2 benchmarks/bench_llama_distributed.py \\
-        --out benchmarks/results/h200x2_llama_distributed.json
+        --out benchmarks/results/distributed_llama_h200x2.json
 
 CPU logic check (gloo, tiny model, fp32, torch backend)::
 

@@ -18,8 +18,8 @@ and the served throughput, ``completed / (wall - mean latency)``, is at least
 first arrival to the last completion; subtracting the mean latency removes the drain of the last
 requests, which a stable server also needs). The target compares ``--candidate`` (auto) with
 ``--baseline`` (sequence): mean TPOT at the highest rate the baseline sustains must be at least
-``--target-reduction`` (30%) lower. The first server of a fresh device session has measured
-1.3-1.8x slower whichever strategy it ran (benchmarks/NOTES.md); list the strategies as
+``--target-reduction`` (30%) lower. The first server started on a fresh machine has measured
+1.3-1.8x slower whichever strategy it ran (docs/performance.md); list the strategies as
 ``sequence,auto,auto,sequence`` to cancel such order effects (each strategy counts with its mean).
 
 Time: ``--time-budget`` bounds the whole sweep. Each strategy gets an equal share of what is
@@ -34,7 +34,7 @@ strategies; --rates, --duration, --max-output-len, --drain-timeout and --kv-toke
     python benchmarks/bench_serve_sweep.py --random-weights llama3-8b --device cuda --dtype bfloat16 \\
         --kv-tokens 393216 --strategies auto,sequence --rates 0.5,1,2,3 --duration 25 \\
         --max-output-len 256 --drain-timeout 20 --time-budget 480 \\
-        --out benchmarks/results/h200_serve.json --plot benchmarks/results/h200_serve.png
+        --out benchmarks/results/serve_sweep_h200.json --plot benchmarks/results/serve_sweep_h200.png
 
 Why these numbers: the trace's prompts are long (median 6.9K, mean 12K tokens; cut here to
 ``--max-model-len 8192`` less the output, ~6.5K on average) and share little (block 0 and a few

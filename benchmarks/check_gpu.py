@@ -5,14 +5,12 @@ strategy, compares with an fp32 dense reference (relative L2 <= 1e-2, no NaN), c
 graph replay of ``run()`` gives identical output, and reports each strategy's latency
 (``triton.testing.do_bench``, median, L2 flushed). Writes JSON with device and versions.
 
-    python benchmarks/check_gpu.py --out benchmarks/results/h200_check_gpu.json
+    python benchmarks/check_gpu.py --out benchmarks/results/check_gpu_h200.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import os
 import sys
 import time
@@ -21,8 +19,7 @@ import torch
 import triton
 
 from treeattn import STRATEGIES, TreeAttention
-from treeattn.bench.kernels import HEAD_DIM, case_inputs
-from treeattn.bench.timing import capture, graph_us, provenance
+from treeattn.bench.timing import capture, provenance
 from treeattn.reference import visibility_mask
 from treeattn.tree import suite_trees, tree_from_spec
 
@@ -41,121 +38,6 @@ def reference_fp32(q, k, v, tree, scale):
         out[:, h * g:(h + 1) * g] = torch.einsum("gqt,td->qgd", p, v[:, h].float())
         del s, p
     return out
-
-
-def checked_error(out, ref, what: str, *, tol: float = 1e-2) -> float:
-    """Relative L2 error of ``out`` against the fp32 ``ref``; a probe stops (naming ``what``)
-    where it is not finite or above ``tol`` (16-bit outputs)."""
-    err = float((out.float() - ref).norm() / ref.norm())
-    if not math.isfinite(err) or err > tol:
-        raise SystemExit(f"{what}: relative L2 {err}")
-    return err
-
-
-def case_with_reference(tree, hq: int, hkv: int) -> tuple:
-    """``(q, k, v, out, ref)``: :func:`~treeattn.bench.kernels.case_inputs` of a suite-like case
-    and the fp32 reference of its output (the caches read in the tree's slot order)."""
-    q, k, v, out = case_inputs(tree, hq, hkv)
-    slots = torch.tensor(tree.kv_indices, device=k.device, dtype=torch.long)  # (a copy: the tree's arrays are read-only)
-    return q, k, v, out, reference_fp32(q, k[slots, 0], v[slots, 0], tree, HEAD_DIM ** -0.5)
-
-
-def checked_runs(run, plans: dict, ref, what: str) -> dict:
-    """``{name: relative L2}`` of ``run(plan, out)`` for each of ``plans`` against ``ref``, each
-    into a fresh output (:func:`checked_error`: a probe stops on a wrong one)."""
-    errors = {}
-    for name, p in plans.items():
-        o = torch.empty(ref.shape, dtype=torch.float16, device=ref.device)
-        run(p, o)
-        torch.cuda.synchronize()
-        errors[name] = checked_error(o, ref, f"{what} {name}")
-    return errors
-
-
-def speedups(ratios: list) -> str:
-    """``"geomean xG [min, max]"`` of the probes' speedup ratios."""
-    return f"geomean x{statistics.geometric_mean(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
-
-
-def alternating_graph_us(run, plans: dict, rounds: int) -> dict:
-    """``{name: [us, ...]}``: each of ``plans`` timed by :func:`~treeattn.bench.timing.graph_us`
-    of ``run(plan)``, once a round over ``rounds`` rounds, so that drift hits them all alike."""
-    us = {name: [] for name in plans}
-    for _ in range(rounds):
-        for name, p in plans.items():
-            us[name].append(graph_us(lambda: run(p)))
-    return us
-
-
-def patched_ab(tree, spec: str, hq: int, hkv: int, patches: dict, rounds: int, module) -> dict:
-    """One case of an in-process A/B of code variants: ``auto``'s plan of ``tree`` made once for
-    each of ``patches`` (``{variant: {attribute of module: value}}``, one plan and launch cache
-    each), every run of a variant's plan with its attributes set on ``module`` (restored
-    after). Every output is checked against the fp32 reference (:func:`checked_runs`) and
-    timed by :func:`alternating_graph_us`. Returns the row: ``tree``, ``hq``, ``hkv``,
-    ``tree_tokens``, ``strategy`` (the first variant's plan's), ``err`` and ``us`` per variant."""
-    saved = {attr: getattr(module, attr) for change in patches.values() for attr in change}
-    q, k, v, out, ref = case_with_reference(tree, hq, hkv)
-    w = TreeAttention(device="cuda")
-    plans = {name: (change, w.plan(tree, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM))
-             for name, change in patches.items()}
-
-    def run(variant, o=out):
-        for attr, value in {**saved, **variant[0]}.items():
-            setattr(module, attr, value)
-        w.run(q, k, v, variant[1], out=o)
-
-    try:
-        return {"tree": spec, "hq": hq, "hkv": hkv, "tree_tokens": tree.num_tokens,
-                "strategy": next(iter(plans.values()))[1].strategy,
-                "err": checked_runs(run, plans, ref, f"{spec} {hq}/{hkv}"),
-                "us": alternating_graph_us(run, plans, rounds)}
-    finally:
-        for attr, value in saved.items():
-            setattr(module, attr, value)
-
-
-def ab_parser(doc: str) -> argparse.ArgumentParser:
-    """The command line of an :func:`ab_suite` probe: ``--trees``, ``--heads``, ``--rounds``,
-    ``--out`` (``doc``: its description)."""
-    ap = argparse.ArgumentParser(description=doc)
-    ap.add_argument("--trees", nargs="*", default=None, help="suite specs (default: the whole suite)")
-    ap.add_argument("--heads", default="32/32,32/8,64/8")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out")
-    return ap
-
-
-def ab_suite(args, patches: dict, module, *, base: str, extra: dict | None = None) -> dict:
-    """:func:`patched_ab` over ``args.trees`` (default: the whole suite) x ``args.heads`` with
-    ``args.rounds`` rounds: each row gains ``speedup`` (every other variant's over ``base``, best
-    rounds), is printed as it comes and, with ``args.out``, written after every case (a probe cut
-    short keeps what it measured); then each variant's speedups over all, by head config and over
-    the >= 100K-token trees are printed. Returns the results (provenance, ``extra``, ``rows``)."""
-    res = {**provenance(), **(extra or {}), "rows": []}
-    others = [name for name in patches if name != base]
-    for spec in args.trees or suite_trees("all"):
-        tree = tree_from_spec(spec)
-        for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
-            row = patched_ab(tree, spec, hq, hkv, patches, args.rounds, module)
-            row["speedup"] = {name: min(row["us"][base]) / min(row["us"][name]) for name in others}
-            res["rows"].append(row)
-            print(f"{spec[:40]:40s} {hq}/{hkv} {row['strategy']:8s} {base} {min(row['us'][base]):8.1f} "
-                  + " ".join(f"{name} {min(row['us'][name]):8.1f} x{row['speedup'][name]:.3f}" for name in others),
-                  flush=True)
-            if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(res, f, indent=1)
-    rows = res["rows"]
-    for name in others:
-        print(f"{name} over {base}: {len(rows)} plans, {speedups([r['speedup'][name] for r in rows])}")
-        for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
-            some = [r["speedup"][name] for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
-            print(f"  {hq}/{hkv}: {len(some)} plans, {speedups(some)}")
-        big = [r["speedup"][name] for r in rows if r["tree_tokens"] >= 100_000]
-        if big:
-            print(f"  >= 100K tokens: {len(big)} plans, {speedups(big)}")
-    return res
 
 
 def main(argv=None) -> int:

@@ -7,11 +7,11 @@ scored on the CPU against those timings: for each case the chosen strategy's mea
 the fastest strategy's. Prints the cases more than 5% off, the count within 5% and the worst
 ratio, and per head config and strategy the mean and spread of log(estimate / measured).
 
-    PYTHONPATH=src python benchmarks/eval_choices.py benchmarks/results/h200_kernels_all_*_05868dd.json
+    PYTHONPATH=src python benchmarks/eval_choices.py benchmarks/results/kernels_all_strategies_h200_*.json
 
 The cost model is the one the wrapper builds on an H200 (TMA, PDL, one stream); ``--set
-name=value`` changes a constant (e.g. ``--set direct_saving_pdl_s=6e-6`` for the model before
-session 36).
+name=value`` changes a constant (e.g. ``--set direct_saving_pdl_s=6e-6``: a direct plan credited
+6 us, as before PDL launches were rated).
 """
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ def test_launch_features_match_build_plan(name, heads):
 
 def test_tall_first_when_a_program_is_long():
     """A long program of a tall launch (a shared prefix read by many queries) starts first; short
-    programs keep the builder's order (measured: benchmarks/probe_order.py)."""
+    programs keep the builder's order (measured faster that way on an H200)."""
     heads = HeadConfig(64, 8, 128)
     cm = CostModel()
     long_root = make_plan(tree_from_spec("1,2,64_1024,256,256"), heads, strategy="node", cost=cm)
@@ -117,7 +117,7 @@ def test_tall_first_when_a_program_is_long():
 
 
 def test_auto_avoids_clearly_slower_strategies():
-    # measured on an H200 (results/h200_kernels.json): one 4000-token root read by 10 queries is
+    # measured on an H200 (every strategy on the kernel suite): one 4000-token root read by 10 queries is
     # latency-bound as one program per KV head (node: 144 us) and ~2.7x faster when split
     tree = tree_from_spec("1,10_4000,400")
     heads = HeadConfig(32, 32, 128)
@@ -131,7 +131,7 @@ def test_auto_avoids_clearly_slower_strategies():
     name, *_ = plan_auto(tree, HeadConfig(32, 32, 128), CostModel(), PLANNERS)
     assert name in ("node", "greedy")
     # deep tree with short leaves and 32/8 heads: greedy measured 1.46x faster than flatten, and
-    # paths' 64-row tiles 1.19x faster than greedy (results/h200_probe_paths.json)
+    # paths' 64-row tiles 1.19x faster than greedy (H200)
     tree = tree_from_spec("1,8,16,32,64,128,1024_256,128,64,32,32,32,32")
     name, _, reason, _ = plan_auto(tree, H200_HEADS, CostModel(), PLANNERS)
     assert name == "paths" and "tiles of 64 rows" in reason
@@ -158,7 +158,7 @@ def test_auto_prefers_fewer_kernels_among_close_estimates():
 def test_auto_rates_the_unsplit_sequence_plan_of_short_paths():
     """``auto`` rates each query's whole path as one item (one launch, no merge) when paths are at
     most 2 x min_split_tokens: on 1,2,64_8,256,32 at 32/8 (296-token paths) it was measured on an
-    H200 at 21.2 against 26.1 us for the split plans' best (benchmarks/probe_direct.py; ``paths``
+    H200 at 21.2 against 26.1 us for the split plans' best (``paths``
     now takes 20.7 us), and the plan writes every output directly. ``sequence`` itself keeps
     Flash-Decoding's split."""
     from treeattn.plan.strategies.sequence import sequence_variants
@@ -199,7 +199,7 @@ def test_direct_saving_applies_to_direct_plans_only(pdl):
                                           ("1,4,256_32,256,32", "greedy")])
 def test_pdl_plans_take_two_launches_over_a_slower_direct_plan(spec, fastest):
     """With PDL (the H200's launch mode) these 32/8 trees' two-launch plans ran 1.19-1.25x faster
-    than the merge-free ``paths`` plan (benchmarks/results/h200_probe_direct_saving_0a431f6.json):
+    than the merge-free ``paths`` plan, each timed both ways in one process:
     ``auto`` picks them with ``direct_saving_pdl_s``, and picked ``paths`` with 6 us."""
     cost = CostModel(tma=True, pdl=True, side_streams=True)
     tree = tree_from_spec(spec)

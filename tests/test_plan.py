@@ -297,7 +297,7 @@ def test_packed_leaf_items_cover_every_visible_token_once(rng, k, group):
 
 def test_greedy_packs_the_leaves_of_wide_trees():
     """On a 1024-leaf tree at 32/32 heads the cost model packs the 16-token leaves (measured 1.3-1.5x
-    faster on an H200: benchmarks/sweep_packing.py); small trees are left alone."""
+    faster on an H200); small trees are left alone."""
     wide = tree_from_spec("1,2,4,8,16,32,64,128,1024_16,16,16,16,16,16,16,16,16")
     plan = make_plan(wide, HeadConfig(32, 32, 128, torch.float16), strategy="greedy")
     assert "leaf items packed" in plan.reason and plan.has_mask

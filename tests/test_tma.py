@@ -201,7 +201,7 @@ def test_lead_chunks_on_runs_take_tma_as_rated(device, dtype):
 def test_node_items_are_runs_where_every_node_is_one():
     """``node``'s items are marked as reading runs where every node's slots are one run, so with
     TMA ``auto`` rates the root's tall launch through TMA (it then takes ``node`` on this suite
-    tree, 1.06x faster than ``greedy`` on an H100: results/h100_probe_tma_wave_8cb2bf5.json); a
+    tree, 1.06x faster than ``greedy`` on an H100); a
     node whose slots are out of order leaves them unmarked."""
     heads = HeadConfig(64, 8, 128, torch.float16)
     tree = tree_from_spec("1,8,512_32,2048,256")

@@ -55,7 +55,7 @@ class TreeAttention:
         them one after another on one stream, where the last launch merges the partial rows
         itself when the plan allows (:attr:`~treeattn.plan.format.Plan.merge_last`: no merge
         launch). None: 0 where ``pdl`` applies (it overlaps the launches on one stream and was
-        faster under graph replay on the H100: benchmarks/NOTES.md, session 31), else 3.
+        faster under graph replay on the H100), else 3.
         Destroying a graph with side-stream branches waits for its queued replays, so code that
         captures ``run()`` every step (the engine) uses 0.
     pdl : bool or None
@@ -104,7 +104,7 @@ class TreeAttention:
         self.pdl = supported if pdl is None else bool(pdl)
         if tma and self.device.type == "cuda" and not hopper:
             raise ValueError("tma needs the triton backend on a CUDA device of compute capability 9.0 or later")
-        # launches overlap on side streams and with PDL alike (benchmarks/NOTES.md, session 18)
+        # launches overlap on side streams and with PDL alike (measured on an H200)
         self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl,
                                       tma=hopper if tma is None else bool(tma), pdl=self.pdl)
 
@@ -238,7 +238,7 @@ class TreeAttention:
                 raise TypeError("the triton backend supports float16, bfloat16 and float32")
             o_part, lse_part = self.partial_buffers(plan)
             # side streams only pay under a CUDA graph: eagerly, each fork and join costs more
-            # host time than the launches' overlap saves (benchmarks/NOTES.md)
+            # host time than the launches' overlap saves
             streams = self._streams if self._streams and torch.cuda.is_current_stream_capturing() else ()
             # launches in order on one stream: the last one merges, where the plan allows (decided
             # by the wrapper's streams, not by capture, so a graph replays what eager runs)

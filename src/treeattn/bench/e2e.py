@@ -6,7 +6,7 @@ the model and the workload is cut into consecutive *windows*; with a step count,
 of consecutive steps spread over the workload run it (the others only do the tree / KV
 bookkeeping: their KV slots are allocated but not written, which does not change the timing of
 later steps), which samples the workload: ToT's steps decode varying numbers of queries, and 3
-windows of 10 steps misjudged its mean (benchmarks/NOTES.md, session 24). Per window: ``warmup_steps`` warm-up steps (one by
+windows of 10 steps misjudged its mean. Per window: ``warmup_steps`` warm-up steps (one by
 default; ``auto``'s measured tuning, :mod:`treeattn.engine.tuning`, needs a few dozen to settle
 on the strategy of the window's tree shape before it is timed), ``steps / windows`` timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
 between CUDA events recorded after each step), then a few *breakdown* steps, each run in isolation
@@ -27,7 +27,7 @@ step's host work, where it could not see the GPU wait while the host planned. ``
 the mean step latency without that idle time. ``isolated_gap`` = (mean step latency -
 ``gpu_step_ms``) / mean step latency compares back-to-back steps with the isolated breakdown
 steps: 13-17% on ToT and speculative decoding before the engine recorded a timing event after
-each attention-graph replay (e7bdb2a), -5% to +9% since (results/h200_e2e.json).
+each attention-graph replay (e7bdb2a), -5% to +9% since (docs/performance.md).
 """
 from __future__ import annotations
 

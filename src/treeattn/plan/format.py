@@ -414,13 +414,13 @@ def _block_m_choices(group: int) -> list:
 
 #: KV-tile launch configs (block_n, num_warps, num_stages), picked per item by KV length (PAT's
 #: tile selector): short items waste less of a small tile, long ones pipeline deeper. Measured on
-#: an H200 over the kernel suite (benchmarks/sweep_kernels.py, benchmarks/NOTES.md).
+#: an H200 over the kernel suite.
 SHORT_ITEM_TOKENS = 48
 TILE_SHORT = (32, 4, 2)
 TILE_LONG = (64, 4, 3)
 TILE_LONG_HEAD256 = (32, 4, 2)
 #: Mean KV tokens per item from which a launch orders its grid KV head fastest
-#: (:attr:`Launch.heads_inner`); measured on an H200 (benchmarks/sweep_grid_order.py, NOTES.md).
+#: (:attr:`Launch.heads_inner`); measured on an H200 over the kernel suite.
 HEADS_INNER_MIN_TOKENS = 512
 
 

@@ -24,10 +24,10 @@ RUN_LEAD_SLACK = 16
 #: where the leads are the tree's trunk (a token tree over one context: every tile reads the same
 #: context), the split variants also cut them into this many chunks of the longest lead. On Medusa
 #: trees the fill split's chunks were too short (t=256 at 800-2500 tokens: 1.18-1.22x faster with
-#: these, results/h100_probe_spec_{b21eca5,011377d}.json); on decode trees whose tiles read
-#: different leads the cost model picked them where they ran 2-13% slower (h100_probe_lead_*.json).
+#: these, on an H100); on decode trees whose tiles read different leads the cost model picked them
+#: where they ran 2-13% slower.
 #: 2 chunks pay where the chunks' launch loads through TMA, which the model rates where the leads
-#: are known runs (:func:`on_runs`; 128@800 and 256@2500-3000, results/h100_probe_spec_871aef7.json)
+#: are known runs (:func:`on_runs`; Medusa trees 128@800 and 256@2500-3000 on an H100)
 LEAD_CHUNKS = (2, 3, 4, 6)
 
 

@@ -6,8 +6,7 @@ microsecond of SM time whatever its size, so at 32/32 heads the ~33K leaf progra
 longer than the whole plan's HBM traffic. Packing ``k`` consecutive leaf items into one item
 concatenates their tokens (one KV tile for several leaves) and their query rows (one query tile);
 each query still sees only its own leaf, because the tree mask hides tokens of nodes that are not
-its ancestors, and only the packed items' launch applies it. Measured on an H200
-(benchmarks/sweep_packing.py): 1.3-1.5x on the 1024-leaf suite trees at 32/32 with 16-token
+its ancestors, and only the packed items' launch applies it. Measured on an H200: 1.3-1.5x on the 1024-leaf suite trees at 32/32 with 16-token
 leaves, 1.06x with 32-token ones.
 """
 from __future__ import annotations

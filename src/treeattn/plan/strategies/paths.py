@@ -32,7 +32,7 @@ from treeattn.tree import DecodingTree
 #: 16-row path tiles only for GQA groups of this size or more (at most 4 queries a tile): on the
 #: kernel suite they were the fastest plan of the smallest trees at 32/8 and 64/8, while at 32/32
 #: the cost model rated them best on deep trees where they ran up to 12% slower than 32-row tiles
-#: (results/h200_probe_paths.json, h200_kernels.json at abd268c)
+#: (H200)
 SHORT_TILE_MIN_GROUP = 4
 #: a node with fewer rows than the query tile stays an item of its own beyond this many tokens
 #: (in the variants that keep such nodes apart)

@@ -28,7 +28,7 @@ def sequence_variants(tree: DecodingTree, heads: HeadConfig, cost: CostModel) ->
     Unsplit paths of up to ~300 tokens beat every split plan on small trees (one launch instead
     of two and a merge: 21.2 against 26.1 us on ``1,2,64_8,256,32`` at 32/8); longer ones make a
     few slow programs the cost model rates too fast (Medusa trees over 1000 tokens: 36-48 us
-    against 26-28 for the best plan; benchmarks/probe_direct.py)."""
+    against 26-28 for the best plan, on an H200)."""
     path = tree.visible_tokens
     queries = np.arange(tree.num_queries)
 
