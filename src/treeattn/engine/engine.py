@@ -72,6 +72,10 @@ class TreeEngine(SpeculativeSteps):
         run at their isolated GPU time. Unbounded, the host (2-3 ms a ToT step) ran many steps
         ahead of the GPU (5.6 ms), and the GPU took 5-12% longer a step than in isolation
         (H200, ``benchmarks/probe_inflight.py``, benchmarks/NOTES.md session 24).
+    precompile : bool or None
+        Compile every attention-kernel variant the model's plans can take when the engine is
+        created (:meth:`precompile_kernels`), so that no decode step waits for Triton's JIT and
+        a first run is as fast as the second. None (default): on a GPU with the Triton backend.
     compile_workers : int or None
         Processes that :meth:`precompile_kernels` compiles in on a GPU (each holds a CUDA context
         while it runs; 0: this process); None: one a CPU core, up to 16. 408 variants of
@@ -83,7 +87,7 @@ class TreeEngine(SpeculativeSteps):
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
                  tune: bool = False, pdl: bool | None = None, max_inflight: int | None = 2,
-                 compile_workers: int | None = None):
+                 compile_workers: int | None = None, precompile: bool | None = None):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
@@ -128,6 +132,10 @@ class TreeEngine(SpeculativeSteps):
         self._win: Window | None = None
         self._verify: tuple | None = None
         self._depth: tuple | None = None
+        self._compiled = False
+        if precompile or (precompile is None and self.device.type == "cuda"
+                          and self.attention.backend == "triton"):
+            self.precompile_kernels()
 
     # ------------------------------------------------------------------ logits
     def logits_of(self, node: int) -> torch.Tensor:
@@ -346,7 +354,10 @@ class TreeEngine(SpeculativeSteps):
         """Compile every attention-kernel variant this model's plans can use now, in
         ``compile_workers`` processes on a GPU (:func:`~treeattn.precompile.precompile`; a server
         calls it at start-up, so no request waits for Triton's JIT); returns the launches made in
-        this process, 0 with the torch backend."""
+        this process, 0 with the torch backend or once compiled."""
+        if self._compiled:
+            return 0
+        self._compiled = True
         h = self.planner.heads
         return self.attention.precompile(num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
                                          head_dim=h.head_dim, dtype=h.dtype, page_size=self.pool.page_size,
@@ -363,6 +374,8 @@ class TreeEngine(SpeculativeSteps):
         for m in sorted({self.graphs.bucket(c) for c in counts} - {None}, reverse=True):
             if not self.graphs.supports(m):
                 return
+            if m in self.graphs.ready:
+                continue
             slots = self.kv.scratch(m)
             dtree = DecodingTree.from_parents([-1] * m, [1] * m, kv_indices=slots,
                                               page_size=self.pool.page_size, num_slots=self.pool.num_slots)
@@ -407,6 +420,7 @@ class TreeEngine(SpeculativeSteps):
         dict: the controller's result.
         """
         self.compute = True
+        self.prepare_graphs(controller.query_counts())   # (captured now, not in the first steps)
         controller.start(self)
         step = 0
         try:

@@ -49,6 +49,11 @@ class DecodeGraphs:
     def bucket(n: int) -> int | None:
         return next((b for b in BUCKETS if b >= n), None)
 
+    @property
+    def ready(self) -> set:
+        """Buckets captured and checked against eager execution."""
+        return {m for m in self._checked if m in self._graphs}
+
     def supports(self, n: int) -> bool:
         return not self.disabled and self.bucket(n) is not None
 
