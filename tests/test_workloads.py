@@ -311,15 +311,24 @@ def test_rollout_lengths_are_capped_lognormal():
 def test_best_of_n_workload_prunes_to_the_best(tiny_model):
     eng, start, ctl, total, out = _run_workload(tiny_model, "best-of-n", n=8, max_new_tokens=20, keep_every=4,
                                                 keep_fraction=0.5, min_keep=1)
-    assert ctl.selections == 3 and len(out["leaves"]) == 1       # 8 -> 4 -> 2 -> 1 at steps 4, 8, 12
+    assert total == 20 and ctl.selections == 3 and len(out["leaves"]) == 1   # 8 -> 4 -> 2 -> 1 at steps 4, 8, 12
     assert len(out["leaves"][0]["tokens"]) == 16 + 20 and [s.queries for s in eng.stats][:6] == [8] * 4 + [4] * 2
     eng.reset()
     assert eng.pool.num_free_pages == start
+    # the same samples decoded without selection: the survivor is the best at every selection
+    from treeattn.engine import Sampler, SamplingController
+    full = eng.run(SamplingController(ctl.prompts, n=8, sampler=Sampler(seed=0), max_new_tokens=20,
+                                      logprobs=True))["leaves"]
+    alive = list(range(8))
+    for k in (4, 8, 12):
+        alive = sorted(alive, key=lambda j: -sum(full[j]["logprobs"][:k]))[: len(alive) // 2]
+    assert alive == [out["leaves"][0]["sample"]]
+    assert full[alive[0]]["tokens"] == out["leaves"][0]["tokens"]
 
 
 @pytest.mark.parametrize("name, width", [("beam-4", 4), ("beam-8", 8), ("beam-16", 16), ("sample-16", 16)])
 def test_sized_workloads(tiny_model, name, width):
-    eng, _, ctl, total, out = _run_workload(tiny_model, name, max_new_tokens=3)
+    _, _, ctl, total, out = _run_workload(tiny_model, name, max_new_tokens=3)
     assert total == 3
     if name.startswith("beam"):
         assert ctl.k == width and len(out["sequences"]) == width
