@@ -1,4 +1,5 @@
-"""Tests of the workload constructors in :mod:`treeattn.tree.builders`."""
+"""Tests of the workload constructors in :mod:`treeattn.tree.builders` and of the engine workloads
+(:mod:`treeattn.engine.workloads`) on a tiny random model."""
 from __future__ import annotations
 
 import json
@@ -265,3 +266,80 @@ def test_medusa_records_and_context_check():
     assert isinstance(records[0]["Accept_length"], list)
     with pytest.raises(ValueError, match="context_len"):
         tree_from_medusa(32, context_len=0)
+
+
+# ---------------------------------------------------------------------------- engine workloads
+@pytest.fixture(scope="module")
+def tiny_model(one_thread):
+    from treeattn.engine import TreeModel
+    return TreeModel.random("tiny")
+
+
+def _run_workload(model, name, **kw):
+    from treeattn.engine import TreeEngine, WorkloadSpec, build_workload
+    eng = TreeEngine(model, page_size=8, kv_tokens=8192)
+    start = eng.pool.num_free_pages
+    ctl, total = build_workload(WorkloadSpec(name, vocab_size=model.config.vocab_size, **kw))
+    return eng, start, ctl, total, eng.run(ctl)
+
+
+def test_rollout_workload_ends_every_sample_and_frees_its_pages(tiny_model):
+    from treeattn.engine.workloads import rollout_lengths
+    eng, start, ctl, total, out = _run_workload(tiny_model, "rollout", n=4, num_prompts=3, max_new_tokens=20,
+                                                prompt_len=12, seed=1)
+    lengths = rollout_lengths((3, 4), 20, median=5.0, sigma=0.6, seed=1)
+    assert total == 20 and len(out["leaves"]) == 12 and ctl.forced.tolist() == lengths.tolist()
+    for leaf in out["leaves"]:
+        gen = len(leaf["tokens"]) - 12
+        forced = lengths[leaf["prompt"], leaf["sample"]]
+        assert gen <= forced and (leaf["finished"] or gen == 20)
+    if (lengths <= 20).all():
+        assert eng.tree.num_nodes == 0 and eng.pool.num_free_pages == start
+    again = _run_workload(tiny_model, "rollout", n=4, num_prompts=3, max_new_tokens=20, prompt_len=12, seed=1)[4]
+    assert [leaf["tokens"] for leaf in again["leaves"]] == [leaf["tokens"] for leaf in out["leaves"]]
+
+
+def test_rollout_lengths_are_capped_lognormal():
+    from treeattn.engine.workloads import rollout_lengths
+    x = rollout_lengths((200, 50), 64, median=16, sigma=0.7, seed=0)
+    assert x.min() >= 1 and x.max() == 65 and 14 <= np.median(x) <= 18
+    assert np.array_equal(x, rollout_lengths((200, 50), 64, median=16, sigma=0.7, seed=0))
+    with pytest.raises(ValueError, match="median"):
+        rollout_lengths((2, 2), 8, median=0, sigma=1, seed=0)
+
+
+def test_best_of_n_workload_prunes_to_the_best(tiny_model):
+    eng, start, ctl, total, out = _run_workload(tiny_model, "best-of-n", n=8, max_new_tokens=20, keep_every=4,
+                                                keep_fraction=0.5, min_keep=1)
+    assert total == 20 and ctl.selections == 3 and len(out["leaves"]) == 1   # 8 -> 4 -> 2 -> 1 at steps 4, 8, 12
+    assert len(out["leaves"][0]["tokens"]) == 16 + 20 and [s.queries for s in eng.stats][:6] == [8] * 4 + [4] * 2
+    eng.reset()
+    assert eng.pool.num_free_pages == start
+    # the same samples decoded without selection: the survivor is the best at every selection
+    from treeattn.engine import Sampler, SamplingController
+    full = eng.run(SamplingController(ctl.prompts, n=8, sampler=Sampler(seed=0), max_new_tokens=20,
+                                      logprobs=True))["leaves"]
+    alive = list(range(8))
+    for k in (4, 8, 12):
+        alive = sorted(alive, key=lambda j: -sum(full[j]["logprobs"][:k]))[: len(alive) // 2]
+    assert alive == [out["leaves"][0]["sample"]]
+    assert full[alive[0]]["tokens"] == out["leaves"][0]["tokens"]
+
+
+@pytest.mark.parametrize("name, width", [("beam-4", 4), ("beam-8", 8), ("beam-16", 16), ("sample-16", 16)])
+def test_sized_workloads(tiny_model, name, width):
+    _, _, ctl, total, out = _run_workload(tiny_model, name, max_new_tokens=3)
+    assert total == 3
+    if name.startswith("beam"):
+        assert ctl.k == width and len(out["sequences"]) == width
+    else:
+        assert len(out["leaves"]) == width
+
+
+def test_bad_workload_sizes():
+    from treeattn.engine import WorkloadSpec, build_workload
+    for name in ("beam-0", "sample-x"):
+        with pytest.raises(ValueError, match="positive integer"):
+            build_workload(WorkloadSpec(name, vocab_size=16))
+    with pytest.raises(ValueError, match="keep_fraction"):
+        build_workload(WorkloadSpec("best-of-n", vocab_size=16, keep_fraction=1.0))

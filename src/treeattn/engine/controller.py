@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from treeattn.engine.sampling import Sampler
+import numpy as np
+import torch
+
+from treeattn.engine.planning import upload
+from treeattn.engine.sampling import Sampler, sample_streams
 
 __all__ = ["BranchController", "Callbacks", "SamplingController", "periodic_branching"]
 
@@ -82,6 +86,28 @@ def periodic_branching(every: int, factor: int = 2, max_leaves: int = 64) -> Cal
     return Callbacks(branch=branch, horizon=horizon)
 
 
+class _Snapshot:
+    """The device's finish steps of a batch's rows, copied to the host without blocking."""
+
+    def __init__(self, finish: torch.Tensor, nodes: tuple):
+        self.nodes = nodes
+        if finish.device.type == "cuda":
+            self.host = torch.empty(finish.shape, dtype=finish.dtype, pin_memory=True)
+            self.host.copy_(finish, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = finish.clone(), None
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def values(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
 class SamplingController(BranchController):
     """Sample ``n`` continuations of each prompt (a forest when there are several prompts).
 
@@ -92,37 +118,142 @@ class SamplingController(BranchController):
     n : int
         Samples per prompt (the root branches into ``n`` leaves before the first step).
     sampler : Sampler, optional
-        Default: temperature 1, seed 0.
+        Default: temperature 1, seed 0. Sample ``j`` of a prompt draws from the random stream
+        :func:`~treeattn.engine.sampling.sample_streams` gives it (leaves a callback branches off
+        it from streams derived from its own), so its tokens do not depend on the other
+        sequences decoded with it.
     max_new_tokens : int
         Decode steps.
     eos_token_ids : sequence of int
-        A leaf that samples one of them is fed it, then finished (its result stored) and pruned
-        (reading the tokens synchronises every step; leave empty for fully asynchronous decoding).
+        A sample that draws one of them is finished: it is fed that token, and from then on fed
+        ``eos_token_ids[0]`` (those steps are discarded) until the next prune point, where its
+        result (tokens up to its first EOS, the logits after it) is stored and its leaf pruned.
     callbacks : Callbacks, optional
+        With ``eos_token_ids``, leaves that finished since the last prune point still look active
+        to them.
+    prune_every : int
+        Steps between prune points. Whether a sample finished is only known on the device; every
+        ``prune_every`` steps the controller copies the finished flags to the host without
+        waiting, and prunes those leaves once the copy has landed (at the latest at the next prune
+        point). 1 prunes every step (a host synchronisation per step).
+    logprobs : bool
+        Record the log-probability of every generated token (:meth:`Sampler.logprobs`).
+    forced_lengths : int array ``[len(prompts), n]``, optional
+        Sample ``j`` of prompt ``i`` is fed ``eos_token_ids[0]`` as its ``forced_lengths[i, j]``-th
+        generated token (workload replays: random weights never emit EOS on their own); values
+        outside ``[1, max_new_tokens]`` force nothing.
     """
 
     def __init__(self, prompts, *, n: int = 1, sampler: Sampler | None = None, max_new_tokens: int = 16,
-                 eos_token_ids=(), callbacks: Callbacks | None = None):
+                 eos_token_ids=(), callbacks: Callbacks | None = None, prune_every: int = 8,
+                 logprobs: bool = False, forced_lengths=None):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if n < 1 or max_new_tokens < 0:
             raise ValueError(f"n must be >= 1 and max_new_tokens >= 0, got {n}, {max_new_tokens}")
+        if prune_every < 1:
+            raise ValueError(f"prune_every must be >= 1, got {prune_every}")
         self.prompts = [[int(t) for t in p] for p in prompts]
         self.n, self.max_new_tokens = n, max_new_tokens
         self.sampler = sampler or Sampler()
-        self.eos = set(int(e) for e in eos_token_ids)
+        self.eos = tuple(dict.fromkeys(int(e) for e in eos_token_ids))
         self.cb = callbacks or Callbacks()
+        self.prune_every = int(prune_every)
+        self.logprobs = bool(logprobs)
+        self.forced = None
+        if forced_lengths is not None:
+            self.forced = np.asarray(forced_lengths, dtype=np.int64)
+            if self.forced.shape != (len(self.prompts), n):
+                raise ValueError(f"forced_lengths must have shape ({len(self.prompts)}, {n}), "
+                                 f"got {self.forced.shape}")
+            if not self.eos:
+                raise ValueError("forced_lengths needs eos_token_ids (the token it forces)")
 
     def query_counts(self) -> list:
         return [] if self.cb != Callbacks() or self.eos else [self.n * len(self.prompts)]
 
     def start(self, engine) -> None:
+        tree, seed = engine.tree, self.sampler.seed
+        leaves, streams, forced = [], {}, []
         for i, prompt in enumerate(self.prompts):
-            root = engine.tree.add_root({"prompt": i})
+            root = tree.add_root({"prompt": i} if self.n > 1 else {"prompt": i, "sample": 0})
             engine.prefill(root, prompt)
-            if self.n > 1:
-                engine.tree.branch(root, self.n)
+            kids = tree.branch(root, self.n, [{"sample": j} for j in range(self.n)]) if self.n > 1 else [root]
+            streams.update(zip(kids, sample_streams(seed, prompt, self.n).tolist()))
+            leaves.extend(kids)
+            if self.forced is not None:
+                forced.extend(self.forced[i].tolist())
+        d = engine.device
+        self._streams = streams                # node -> its random stream (host)
+        self._rows = tuple(leaves)             # the nodes the device state's rows belong to
+        self._stream = upload(np.asarray([streams[n] for n in leaves]), d)
+        self._stop = upload(np.asarray(forced), d) if self.forced is not None else None
+        self._eos = upload(np.asarray(self.eos), d) if self.eos else None
+        self._finish = torch.full((len(leaves),), -1, dtype=torch.int64, device=d)   # step of the 1st EOS
+        self._final = None                     # float32 [rows, V]: logits after each row's 1st EOS
+        self._cum = torch.zeros(len(leaves), dtype=torch.float32, device=d)
+        self._lp_steps: list = []              # float32 [rows] of every step
+        self._lp_refs: dict = {n: [] for n in leaves}   # node -> (step, row) of its generated tokens
+        self._pending: _Snapshot | None = None
 
+    # ------------------------------------------------------------------ rows
+    def _sync_rows(self, engine, leaves: list) -> None:
+        """Re-align the device state with ``leaves``: a leaf a callback branched off a row inherits
+        that row's state and a stream derived from its stream."""
+        if tuple(leaves) == self._rows:
+            return
+        tree = engine.tree
+        pos = {n: i for i, n in enumerate(self._rows)}
+        idx = []
+        for leaf in leaves:
+            node = leaf
+            while node not in pos:
+                node = tree.parent(node)
+            idx.append(pos[node])
+            if leaf not in self._streams:
+                parent = tree.parent(leaf)
+                k = tree.children(parent).index(leaf)
+                self._streams[leaf] = int(sample_streams(self._streams[parent], [k], 1)[0])
+                self._lp_refs[leaf] = list(self._lp_refs[parent])
+        d = engine.device
+        sel = upload(np.asarray(idx), d)
+        self._stream = upload(np.asarray([self._streams[n] for n in leaves]), d)
+        self._finish = self._finish.index_select(0, sel)
+        self._cum = self._cum.index_select(0, sel)
+        if self._stop is not None:
+            self._stop = self._stop.index_select(0, sel)
+        if self._final is not None:
+            self._final = self._final.index_select(0, sel)
+        self._rows = tuple(leaves)
+
+    # ------------------------------------------------------------------ finishing
+    def _poll(self, engine, step: int, *, final: bool = False) -> None:
+        """Prune the leaves a landed snapshot shows finished; take a snapshot at prune points
+        (``final``: wait for everything, the run stops)."""
+        point = final or (step > 0 and step % self.prune_every == 0)
+        if point:
+            if self._pending is not None:
+                self._apply(engine, self._pending, step)
+            self._pending = _Snapshot(self._finish, self._rows)
+        if self._pending is not None and (final or self._pending.ready()):
+            self._apply(engine, self._pending, step)
+            self._pending = None
+
+    def _apply(self, engine, snap: _Snapshot, step: int) -> None:
+        """Finish and prune the leaves ``snap`` shows finished, before decode step ``step``."""
+        tree = engine.tree
+        row = {n: i for i, n in enumerate(self._rows)}
+        for node, first in zip(snap.nodes, snap.values()):
+            if first < 0 or node not in row:     # running, or pruned / branched by a callback since
+                continue
+            # generated tokens: steps 0 .. first; those fed after the first EOS are dropped
+            res = tree.finish(node, reason="eos", logits=self._final[row[node]].clone(),
+                              prompt=_root_meta(tree, node, "prompt"), sample=_root_meta(tree, node, "sample"),
+                              logprob_refs=self._lp_refs[node][: first + 1])
+            res.tokens = res.tokens[: len(res.tokens) - (step - 1 - first)]
+            tree.prune(node)
+
+    # ------------------------------------------------------------------ steps
     def _apply_callbacks(self, tree, step: int) -> bool:
         cb = self.cb
         if cb.prune is not None:
@@ -136,45 +267,95 @@ class SamplingController(BranchController):
                     tree.branch(leaf, k)
         return not (cb.stop is not None and cb.stop(tree, step))
 
+    def _steps_to_event(self, step: int) -> int:
+        """Steps from ``step`` on (this one included) before the controller may change the batch."""
+        return self.prune_every - step % self.prune_every if self.eos else self.max_new_tokens - step
+
+    def _before_step(self, engine, step: int) -> None:
+        """A subclass's decisions before step ``step`` (after the prune points)."""
+
     def step(self, engine, step: int) -> bool:
         tree = engine.tree
+        if self.eos:
+            self._poll(engine, step)
+        self._before_step(engine, step)
         if step >= self.max_new_tokens or not self._apply_callbacks(tree, step):
+            self._stop_now(engine, step)
             return False
         leaves = tree.active()
         if not leaves:
             return False
-        tokens = self.sampler(engine.logits_for(leaves))
+        self._sync_rows(engine, leaves)
+        logits = engine.logits_for(leaves)
+        tokens = self.sampler.sample(logits, streams=self._stream, step=step)
+        running = self._finish < 0
+        if self.eos:
+            if self._stop is not None:
+                tokens = torch.where(self._stop == step + 1, self.eos[0], tokens)
+            tokens = torch.where(running, tokens, self.eos[0])
+            hit = running & (tokens[:, None] == self._eos[None, :]).any(-1)
+            self._finish = torch.where(hit, step, self._finish)
+        if self.logprobs:
+            lp = self.sampler.logprobs(logits, tokens)
+            self._cum = self._cum + torch.where(running, lp, 0.0)
+            for i, leaf in enumerate(leaves):
+                self._lp_refs[leaf].append((len(self._lp_steps), i))
+            self._lp_steps.append(lp)
         left = self.max_new_tokens - step
-        if self.eos or (self.cb != Callbacks() and self.cb.horizon is None):
+        if self.cb != Callbacks() and self.cb.horizon is None:
             horizon = 1
         else:
-            horizon = min(left, self.cb.horizon(tree, step)) if self.cb.horizon else left
-        engine.decode(leaves, tokens, horizon=horizon)
+            horizon = min(left, self._steps_to_event(step))
+            if self.cb.horizon is not None:
+                horizon = min(horizon, self.cb.horizon(tree, step))
+        out = engine.decode(leaves, tokens, horizon=horizon)
         if self.eos:
-            for leaf, t in zip(leaves, tokens.tolist()):
-                if t in self.eos:      # store the result, then free the leaf's KV
-                    tree.finish(leaf, reason="eos", logits=engine.logits_of(leaf),
-                                prompt=_prompt_index(tree, leaf))
-                    tree.prune(leaf)
+            if self._final is None:
+                self._final = torch.zeros_like(out)
+            self._final = torch.where(hit[:, None], out, self._final)
         return True
 
+    def _stop_now(self, engine, step: int) -> None:
+        """Decoding stops before step ``step``: finish the leaves that drew an EOS."""
+        if self.eos and engine.tree.active():
+            self._sync_rows(engine, engine.tree.active())
+            self._poll(engine, step, final=True)
+
     def result(self, engine) -> dict:
-        """``{"leaves": [{"node", "prompt", "tokens", "logits", "finished"}]}``: every finished
-        and every still active leaf (tokens include the prompt; logits: float32 ``[vocab]``
-        after the last token)."""
+        """``{"leaves": [{"node", "prompt", "sample", "tokens", "logits", "logprobs", "finished"}]}``:
+        every finished and every still active leaf (tokens include the prompt; logits: float32
+        ``[vocab]`` after the last token; logprobs: one per generated token, None unless
+        ``logprobs``)."""
         tree = engine.tree
+        host = torch.cat(self._lp_steps).tolist() if self._lp_steps else []
+        starts = np.cumsum([0] + [t.numel() for t in self._lp_steps]).tolist()
+
+        def lps(refs):
+            return [host[starts[s] + i] for s, i in refs] if self.logprobs else None
+
         out = {}
         for res in tree.results:
-            out[res.node] = {"node": res.node, "prompt": res.info.get("prompt"),
+            out[res.node] = {"node": res.node, "prompt": res.info.get("prompt"), "sample": res.info.get("sample"),
                              "tokens": tree.result_tokens(res), "logits": res.info.get("logits"),
-                             "finished": True}
+                             "logprobs": lps(res.info.get("logprob_refs", [])), "finished": True}
         for leaf in tree.active():
-            out[leaf] = {"node": leaf, "prompt": _prompt_index(tree, leaf), "tokens": tree.tokens(leaf),
-                         "logits": engine.logits_of(leaf), "finished": False}
+            out[leaf] = {"node": leaf, "prompt": _root_meta(tree, leaf, "prompt"),
+                         "sample": _root_meta(tree, leaf, "sample"), "tokens": tree.tokens(leaf),
+                         "logits": engine.logits_of(leaf), "logprobs": lps(self._lp_refs.get(leaf, [])),
+                         "finished": False}
         return {"leaves": [out[k] for k in sorted(out)]}
 
+    def running_logprobs(self) -> torch.Tensor:
+        """float32 ``[rows]`` on the device: each row's summed log-probability so far (its tokens
+        after a first EOS excluded), rows in the order of the last step's leaves."""
+        return self._cum
 
-def _prompt_index(tree, node: int):
-    while tree.parent(node) is not None:
+
+def _root_meta(tree, node: int, key: str):
+    """``key`` of the nearest node on ``node``'s path to its root that has it (None if none)."""
+    while node is not None:
+        meta = tree.meta(node)
+        if key in meta:
+            return meta[key]
         node = tree.parent(node)
-    return tree.meta(node).get("prompt")
+    return None

@@ -445,3 +445,76 @@ class TreeEngine(SpeculativeSteps):
         self.tree.results.clear()
         self.kv.release_private()
         self._logits.clear()
+
+    # --- user API
+    def generate(self, prompts, *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, max_new_tokens: int = 16, stop_token_ids=(), ignore_eos: bool = False,
+                 logprobs: bool = True, prune_every: int = 8) -> list:
+        """Sample ``n`` continuations of each prompt; the prompts form a forest, each prompt's KV
+        shared by its samples (:class:`~treeattn.engine.controller.SamplingController`).
+
+        Every argument is checked before any work (ValueError naming the problem). The engine must
+        hold no sequences; it is reset afterwards (every KV page freed).
+
+        Parameters
+        ----------
+        prompts : str, list of int, or a list of them
+            Text needs the model's tokenizer.
+        n : int
+            Samples per prompt.
+        temperature : float
+            0: greedy (``top_p``, ``top_k`` and ``seed`` unused).
+        top_p : float in (0, 1]
+        top_k : int
+            0: no top-k filtering.
+        seed : int, optional
+            A sample's tokens depend only on the seed, its prompt and its index ``j``, not on the
+            other prompts or samples decoded with it. None: fresh entropy.
+        max_new_tokens : int
+        stop_token_ids : sequence of int
+            Tokens that end a sample (it keeps the token), besides the model's EOS tokens.
+        ignore_eos : bool
+            Do not stop at the model's EOS tokens (``config.eos_token_ids``).
+        logprobs : bool
+            Report per-token and cumulative log-probabilities.
+        prune_every : int
+            Steps between the host's looks at which samples stopped (their KV is freed then).
+
+        Returns
+        -------
+        list of :class:`~treeattn.engine.generate.GenerationOutput`, one per prompt.
+        """
+        from treeattn.engine.generate import generate    # (the user API sits above the engine)
+
+        return generate(self, prompts, n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                        logprobs=logprobs, prune_every=prune_every)
+
+    def beam_search(self, prompt, *, num_beams: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
+                    early_stopping=False, eos_token_ids=(), num_return_sequences: int | None = None):
+        """Beam search over one prompt, as transformers' ``generate(num_beams=k, do_sample=False)``
+        (:class:`~treeattn.engine.beam.BeamSearchController`).
+
+        Every argument is checked before any work (ValueError naming the problem). The engine must
+        hold no sequences; it is reset afterwards.
+
+        Parameters
+        ----------
+        prompt : str or list of int
+        num_beams : int in [1, vocab]
+        max_new_tokens : int
+        length_penalty : float
+        early_stopping : bool or "never"
+        eos_token_ids : sequence of int
+        num_return_sequences : int in [1, num_beams], optional
+            Default ``num_beams``.
+
+        Returns
+        -------
+        :class:`~treeattn.engine.generate.BeamSearchOutput`
+        """
+        from treeattn.engine.generate import beam_search    # (the user API sits above the engine)
+
+        return beam_search(self, prompt, num_beams=num_beams, max_new_tokens=max_new_tokens,
+                           length_penalty=length_penalty, early_stopping=early_stopping,
+                           eos_token_ids=eos_token_ids, num_return_sequences=num_return_sequences)

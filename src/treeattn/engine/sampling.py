@@ -1,13 +1,60 @@
 """Token samplers: greedy, temperature, top-k, top-p, seeded; they never synchronise with the host.
 
-Sampling uses the exponential-race form of the Gumbel-max trick (``argmax(p / E)`` with
-``E ~ Exp(1)``), which draws from ``p`` exactly without ``torch.multinomial``'s host checks.
+Randomness is counter-based: the uniform of vocabulary entry ``v`` for a sequence at decode step
+``t`` is an integer hash of ``(stream, t, v)``, where ``stream`` identifies the sequence
+(:func:`sample_streams`: from the seed, its prompt and its sample index). A sequence's tokens
+therefore depend on nothing else in the batch (which other prompts or samples share it, their
+order, what was pruned), and a step is a few elementwise passes on the device: no per-row
+generators, no ``torch.multinomial`` host checks. Tokens are drawn with the Gumbel-max trick,
+``argmax(logits / T + G)`` with ``G = -log(-log U)``, which draws from the softmax exactly.
 """
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "sample_streams"]
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B1
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Chris Wellons' ``lowbias32`` integer hash of int64 values in ``[0, 2**32)``, elementwise.
+
+    int64 products wrap modulo 2**64, whose low 32 bits are the uint32 product; masking keeps
+    every value non-negative, so the right shifts are logical.
+    """
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    """:func:`_mix32` of one host integer (the step counter: no device round trip)."""
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _MASK32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def sample_streams(seed: int, prompt, count: int, *, first: int = 0) -> np.ndarray:
+    """int64 ``[count]`` random-stream ids of samples ``first .. first + count - 1`` of ``prompt``.
+
+    A stream is a 32-bit digest of ``(seed, prompt tokens, sample index)``: the same prompt with
+    the same seed gives the same samples whatever else is decoded with it, and different prompts
+    get independent streams.
+    """
+    head = hashlib.blake2b(np.asarray(prompt, dtype=np.int64).tobytes(), digest_size=16,
+                           key=(int(seed) % 2**64).to_bytes(8, "little")).digest()
+    return np.asarray([int.from_bytes(hashlib.blake2b(head + j.to_bytes(8, "little"), digest_size=4).digest(),
+                                      "little") for j in range(first, first + count)], dtype=np.int64)
 
 
 class Sampler:
@@ -24,7 +71,13 @@ class Sampler:
     greedy : bool
         Take the arg-max (deterministic; ``temperature``, ``top_k``, ``top_p`` unused).
     seed : int
-        Seed of the sampler's own random generator (one per device).
+        Seed of the random streams.
+
+    Notes
+    -----
+    :meth:`sample` is the batch-independent form (each row names its stream and the step);
+    calling the sampler directly numbers the rows ``0 .. n-1`` and its calls ``0, 1, ...``, so
+    there a row's token depends on its position in the batch.
     """
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, *,
@@ -37,7 +90,7 @@ class Sampler:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
         self.greedy, self.seed = bool(greedy), int(seed)
-        self._generators: dict = {}
+        self._calls = 0
 
     def __repr__(self) -> str:
         if self.greedy:
@@ -45,15 +98,9 @@ class Sampler:
         return (f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
                 f"seed={self.seed})")
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """This sampler's generator on ``device`` (created and seeded on first use)."""
-        key = str(device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[key]
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """float32 ``[n, V]``: the distribution sampled from (after temperature, top-k, top-p)."""
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, V]``: temperature-scaled logits with the tokens top-k / top-p drop set to
+        ``-inf`` (their softmax is the distribution sampled from)."""
         x = logits.float() / self.temperature
         if self.top_k and self.top_k < x.shape[-1]:
             kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
@@ -63,14 +110,40 @@ class Sampler:
             p = torch.softmax(sx, dim=-1)
             drop = (p.cumsum(-1) - p) >= self.top_p   # the most likely token always stays
             x = x.scatter(-1, idx, sx.masked_fill(drop, float("-inf")))
-        return torch.softmax(x, dim=-1)
+        return x
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """int64 ``[n]`` tokens, on ``logits``' device, from ``logits [n, V]``."""
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, V]``: the distribution sampled from (after temperature, top-k, top-p)."""
+        return torch.softmax(self.scores(logits), dim=-1)
+
+    def gumbel(self, streams: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+        """float32 ``[n, vocab]`` standard Gumbel noise of ``streams`` (int64 ``[n]``) at ``step``."""
+        base = _mix32((streams & _MASK32) ^ _mix32_int(step * _GOLDEN32 + self.seed))
+        v = (torch.arange(vocab, device=streams.device, dtype=torch.int64) * _GOLDEN32) & _MASK32
+        h = _mix32(_mix32(base[:, None] ^ v[None, :]))
+        # 23 bits: (k + 0.5) / 2**23 is exact in float32, so U stays inside (0, 1)
+        u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+        return -torch.log(-torch.log(u))
+
+    def sample(self, logits: torch.Tensor, *, streams: torch.Tensor, step: int) -> torch.Tensor:
+        """int64 ``[n]`` tokens from ``logits [n, V]``; row ``i`` uses stream ``streams[i]`` (int64,
+        on ``logits``' device) at decode step ``step``, so it depends on nothing else in the batch."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
         if self.greedy:
             return logits.argmax(dim=-1)
-        p = self.probs(logits)
-        race = torch.empty_like(p).exponential_(generator=self.generator(p.device))
-        return (p / race).argmax(dim=-1)
+        return (self.scores(logits) + self.gumbel(streams, step, logits.shape[-1])).argmax(dim=-1)
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n]``: log-probability of ``tokens [n]`` under the distribution sampled from
+        (temperature-scaled and filtered; greedy: the model's own distribution, temperature 1)."""
+        x = logits.float() if self.greedy else self.scores(logits)
+        return torch.log_softmax(x, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """int64 ``[n]`` tokens, on ``logits``' device, from ``logits [n, V]`` (rows are streams
+        ``0 .. n-1``, the call count is the step)."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
+        step, self._calls = self._calls, self._calls + 1
+        return self.sample(logits, streams=torch.arange(logits.shape[0], device=logits.device), step=step)

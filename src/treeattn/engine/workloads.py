@@ -6,7 +6,12 @@
   length, then the level's thoughts without children are pruned and the kept ones branch.
 * ``speculative-<t>`` -- Medusa token-tree verification replay: each step verifies a draft tree of
   ``t`` tokens as tree-structured queries and accepts the recorded number of tokens.
-* ``beam`` -- beam search; ``sample`` -- parallel sampling (a forest with several prompts).
+* ``beam`` -- beam search (``beam-<k>``: of width ``k``); ``sample`` -- parallel sampling (a forest
+  with several prompts; ``sample-<n>``: ``n`` samples of one prompt).
+* ``rollout`` -- RL group rollouts: ``P`` prompts x ``n`` samples, each ended by EOS at a length
+  drawn from a capped log-normal (:func:`rollout_lengths`), pruned as they finish.
+* ``best-of-n`` -- ``n`` samples of a prompt; every ``keep_every`` steps only the best fraction by
+  running log-probability survive (:class:`BestOfNController`).
 """
 from __future__ import annotations
 
@@ -17,23 +22,36 @@ import torch
 
 from treeattn.engine.beam import BeamSearchController
 from treeattn.engine.controller import BranchController, SamplingController, periodic_branching
+from treeattn.engine.planning import upload
 from treeattn.engine.sampling import Sampler
 from treeattn.tree import medusa_records, tree_from_medusa, tree_from_tot_template
 
 __all__ = ["WORKLOADS", "WorkloadSpec", "build_workload", "ToTReplayController",
-           "SpeculativeReplayController", "random_prompt"]
+           "SpeculativeReplayController", "BestOfNController", "random_prompt", "rollout_lengths"]
 
 TOT_TEMPLATES = ("sorting", "docmerge", "keyword", "set")
 SPEC_SIZES = (5, 10, 32, 64, 96, 128, 256)
 #: Workload names accepted by :func:`build_workload`.
 WORKLOADS = ("fewshot",) + tuple(f"tot-{t}" for t in TOT_TEMPLATES) + \
-    tuple(f"speculative-{t}" for t in SPEC_SIZES) + ("beam", "sample")
+    tuple(f"speculative-{t}" for t in SPEC_SIZES) + ("beam", "beam-4", "beam-8", "beam-16",
+                                                     "sample", "sample-16", "sample-64", "rollout", "best-of-n")
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list:
     """``length`` reproducible random token ids in ``[0, vocab_size)``."""
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, size=int(length)).tolist()
+
+
+def rollout_lengths(shape, max_new_tokens: int, *, median: float, sigma: float, seed: int) -> np.ndarray:
+    """int64 ``shape``: output lengths of RL rollouts, log-normal around ``median`` tokens with
+    log-scale spread ``sigma`` (reasoning traces are right-skewed: most short, a long tail), at least 1;
+    draws past ``max_new_tokens`` hit the cap (``max_new_tokens + 1``: no EOS, the sample ends by
+    length, as truncated rollouts do)."""
+    if not median > 0 or not sigma >= 0:
+        raise ValueError(f"rollout lengths need median > 0 and sigma >= 0, got {median}, {sigma}")
+    draws = np.random.default_rng(seed).lognormal(np.log(median), sigma, size=shape)
+    return np.minimum(np.maximum(1, np.rint(draws)), max_new_tokens + 1).astype(np.int64)
 
 
 class ToTReplayController(BranchController):
@@ -221,9 +239,70 @@ class SpeculativeReplayController(BranchController):
                 "draft_tokens": int(self.parents.size)}
 
 
+class BestOfNController(SamplingController):
+    """Best-of-n sampling with early pruning: every ``keep_every`` steps each prompt keeps only its
+    ``keep_fraction`` best running samples (summed log-probability of their tokens so far, at least
+    ``min_keep``); the survivors decode on until ``max_new_tokens`` (or EOS).
+
+    Parameters
+    ----------
+    prompts, n, sampler, max_new_tokens, eos_token_ids, prune_every
+        As :class:`~treeattn.engine.controller.SamplingController`.
+    keep_every : int
+        Steps between selections (each reads the running scores on the host: one synchronisation).
+    keep_fraction : float in (0, 1)
+    min_keep : int
+        Samples per prompt that selection never goes below.
+    """
+
+    def __init__(self, prompts, *, n: int, keep_every: int = 8, keep_fraction: float = 0.5, min_keep: int = 1,
+                 **kwargs):
+        super().__init__(prompts, n=n, logprobs=True, **kwargs)
+        if keep_every < 1 or not 0 < keep_fraction < 1 or min_keep < 1:
+            raise ValueError(f"best-of-n needs keep_every >= 1, keep_fraction in (0, 1) and min_keep >= 1, "
+                             f"got {keep_every}, {keep_fraction}, {min_keep}")
+        self.keep_every, self.keep_fraction, self.min_keep = keep_every, keep_fraction, min_keep
+        self.selections = 0
+
+    def _steps_to_event(self, step: int) -> int:
+        return min(super()._steps_to_event(step), self.keep_every - step % self.keep_every)
+
+    def _before_step(self, engine, step: int) -> None:
+        if step == 0 or step % self.keep_every or step >= self.max_new_tokens:
+            return
+        tree = engine.tree
+        rows = [n for n in self._rows if n in tree and not tree.is_done(n)]
+        if len(rows) <= self.min_keep:
+            return
+        at = {n: i for i, n in enumerate(self._rows)}
+        scores = self.running_logprobs().index_select(
+            0, upload(np.asarray([at[n] for n in rows]), engine.device)).tolist()
+        groups: dict = {}
+        for node, score in zip(rows, scores):
+            groups.setdefault(_root_of(tree, node), []).append((score, node))
+        for group in groups.values():
+            keep = max(self.min_keep, int(np.ceil(len(group) * self.keep_fraction)))
+            for _, node in sorted(group, key=lambda sn: -sn[0])[keep:]:
+                tree.prune(node)
+        self.selections += 1
+
+
+def _root_of(tree, node: int) -> int:
+    while tree.parent(node) is not None:
+        node = tree.parent(node)
+    return node
+
+
 @dataclass
 class WorkloadSpec:
-    """Everything :func:`build_workload` needs; unset prompts are random ids of ``prompt_len``."""
+    """Everything :func:`build_workload` needs; unset prompts are random ids of ``prompt_len``.
+
+    ``rollout`` draws ``num_prompts`` prompts (unless ``prompts`` are given) with ``n`` samples
+    each, their lengths log-normal around ``length_median`` (default ``max_new_tokens / 4``) with
+    spread ``length_sigma``; finished samples are pruned every ``prune_every`` steps.
+    ``best-of-n`` keeps the best ``keep_fraction`` of the samples every ``keep_every`` steps, down to
+    ``min_keep``.
+    """
 
     name: str
     vocab_size: int
@@ -246,6 +325,13 @@ class WorkloadSpec:
     branch_every: int = 0
     branch_factor: int = 2
     max_leaves: int = 64
+    num_prompts: int = 4
+    length_median: float | None = None
+    length_sigma: float = 0.6
+    prune_every: int = 8
+    keep_every: int = 8
+    keep_fraction: float = 0.5
+    min_keep: int = 1
 
 
 def build_workload(spec: WorkloadSpec) -> tuple:
@@ -287,13 +373,44 @@ def build_workload(spec: WorkloadSpec) -> tuple:
             int(size), spec.record, prompt=spec.prompts[0] if spec.prompts else None,
             prompt_len=spec.prompt_len, vocab_size=spec.vocab_size, sampler=sampler, seed=spec.seed)
         return ctl, ctl.total_steps()
-    if name == "beam":
-        return BeamSearchController(prompt(16), num_beams=spec.beams, max_new_tokens=spec.max_new_tokens,
+    if name == "beam" or name.startswith("beam-"):
+        beams = _size(name, spec.beams)
+        return BeamSearchController(prompt(16), num_beams=beams, max_new_tokens=spec.max_new_tokens,
                                     eos_token_ids=spec.eos_token_ids), spec.max_new_tokens
-    if name == "sample":
+    if name == "sample" or name.startswith("sample-"):
         prompts = spec.prompts or [prompt(16)]
         cb = periodic_branching(spec.branch_every, spec.branch_factor, spec.max_leaves) \
             if spec.branch_every else None
+        return SamplingController(prompts, n=_size(name, spec.n), sampler=sampler,
+                                  max_new_tokens=spec.max_new_tokens, eos_token_ids=spec.eos_token_ids,
+                                  callbacks=cb, prune_every=spec.prune_every), spec.max_new_tokens
+    if name == "rollout":
+        if spec.num_prompts < 1 and not spec.prompts:
+            raise ValueError(f"rollout needs num_prompts >= 1, got {spec.num_prompts}")
+        prompts = spec.prompts or [random_prompt(spec.prompt_len or 32, spec.vocab_size, spec.seed + i)
+                                   for i in range(spec.num_prompts)]
+        # random weights never emit EOS: each sample is fed it at its drawn length
+        eos = tuple(spec.eos_token_ids) or (spec.vocab_size - 1,)
+        lengths = rollout_lengths((len(prompts), spec.n), spec.max_new_tokens,
+                                  median=spec.length_median or max(1.0, spec.max_new_tokens / 4),
+                                  sigma=spec.length_sigma, seed=spec.seed)
         return SamplingController(prompts, n=spec.n, sampler=sampler, max_new_tokens=spec.max_new_tokens,
-                                  eos_token_ids=spec.eos_token_ids, callbacks=cb), spec.max_new_tokens
+                                  eos_token_ids=eos, prune_every=spec.prune_every,
+                                  forced_lengths=lengths), spec.max_new_tokens
+    if name == "best-of-n":
+        prompts = spec.prompts or [prompt(16)]
+        return BestOfNController(prompts, n=spec.n, sampler=sampler, max_new_tokens=spec.max_new_tokens,
+                                 eos_token_ids=spec.eos_token_ids, prune_every=spec.prune_every,
+                                 keep_every=spec.keep_every, keep_fraction=spec.keep_fraction,
+                                 min_keep=spec.min_keep), spec.max_new_tokens
     raise ValueError(f"unknown workload {name!r}; expected one of {', '.join(WORKLOADS)}")
+
+
+def _size(name: str, default: int) -> int:
+    """The ``<k>`` of a ``beam-<k>`` / ``sample-<n>`` workload name, else ``default``."""
+    if "-" not in name:
+        return default
+    k = name.split("-", 1)[1]
+    if not k.isdigit() or int(k) < 1:
+        raise ValueError(f"workload {name!r}: the size after '-' must be a positive integer")
+    return int(k)
