@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -39,7 +39,8 @@ __all__ = ["Workload", "DEFAULT_WORKLOADS", "parse_workload", "bench_workloads",
 
 @dataclass(frozen=True)
 class Workload:
-    """One benchmark workload: ``kind`` beam | sample | registry (a :data:`WORKLOADS` name)."""
+    """One benchmark workload: ``kind`` beam | sample | registry (``registry``: a :data:`WORKLOADS`
+    name, built by :func:`build_workload` with ``extra`` as :class:`WorkloadSpec` fields)."""
 
     name: str
     kind: str
@@ -48,6 +49,7 @@ class Workload:
     n: int = 1
     new_tokens: int = 64
     extra: dict = field(default_factory=dict)
+    registry: str | None = None
 
     def controller(self, vocab: int, seed: int = 0):
         prompts = [random_prompt(self.prompt_len, vocab, seed + i) for i in range(self.prompts)]
@@ -56,7 +58,7 @@ class Workload:
         if self.kind == "sample":
             return SamplingController(prompts, n=self.n, max_new_tokens=self.new_tokens,
                                       sampler=Sampler(temperature=1.0, seed=seed))
-        spec = WorkloadSpec(self.name, vocab_size=vocab, seed=seed, **self.extra)
+        spec = WorkloadSpec(self.registry or self.name, vocab_size=vocab, seed=seed, **self.extra)
         return build_workload(spec)[0]
 
     def hf_args(self) -> dict | None:
@@ -69,10 +71,21 @@ class Workload:
 
 
 def parse_workload(text: str, *, prompt_len: int | None = None, new_tokens: int | None = None) -> Workload:
-    """``beam-K``, ``sample-N`` (one prompt), ``group-PxN`` (P prompts x N samples), or a registry
+    """``beam-K``, ``sample-N`` (one prompt), ``group-PxN`` (P prompts x N samples),
+    ``rollout-PxN`` (RL group rollouts ending by EOS at log-normal lengths, pruned as they finish),
+    ``best-of-N`` (the best half by running log-probability kept every 16 steps), or a registry
     name (:data:`WORKLOADS`)."""
     kw = {k: v for k, v in (("prompt_len", prompt_len), ("new_tokens", new_tokens)) if v is not None}
     try:
+        if text.startswith("rollout-"):
+            p, n = text[8:].split("x")
+            wl = Workload(text, "registry", prompts=int(p), n=int(n), **({"new_tokens": 128} | kw))
+            return replace(wl, registry="rollout", extra=dict(
+                num_prompts=wl.prompts, n=wl.n, prompt_len=wl.prompt_len, max_new_tokens=wl.new_tokens))
+        if text.startswith("best-of-"):
+            wl = Workload(text, "registry", n=int(text[8:]), **({"new_tokens": 128} | kw))
+            return replace(wl, registry="best-of-n", extra=dict(
+                n=wl.n, prompt_len=wl.prompt_len, max_new_tokens=wl.new_tokens, keep_every=16))
         if text.startswith("beam-"):
             return Workload(text, "beam", n=int(text[5:]), **({"prompt_len": 2000} | kw))
         if text.startswith("sample-"):
@@ -81,7 +94,8 @@ def parse_workload(text: str, *, prompt_len: int | None = None, new_tokens: int 
             p, n = text[6:].split("x")
             return Workload(text, "sample", prompts=int(p), n=int(n), **kw)
     except ValueError:
-        raise ValueError(f"bad workload {text!r}: expected beam-K, sample-N or group-PxN") from None
+        raise ValueError(f"bad workload {text!r}: expected beam-K, sample-N, group-PxN, rollout-PxN or "
+                         "best-of-N") from None
     if text in WORKLOADS:
         extra = {"prompt_len": prompt_len} if prompt_len is not None else {}
         if new_tokens is not None:
@@ -90,7 +104,8 @@ def parse_workload(text: str, *, prompt_len: int | None = None, new_tokens: int 
     raise ValueError(f"unknown workload {text!r}: expected beam-K, sample-N, group-PxN or one of {WORKLOADS}")
 
 
-DEFAULT_WORKLOADS = ("beam-4", "beam-8", "beam-16", "sample-16", "sample-64", "group-8x16")
+DEFAULT_WORKLOADS = ("beam-4", "beam-8", "beam-16", "sample-16", "sample-64", "group-8x16", "rollout-8x16",
+                     "best-of-16")
 
 
 class _SyncCounter:
