@@ -83,7 +83,7 @@ def render_tree(parents, label, *, width: int = WIDTH, max_children: int = 2) ->
         if len(kids) > len(shown):
             rest = kids[len(shown):]
             below = sum(_count(children, k) for k in rest)
-            lines.append(cut(f"{lead}└── ... {len(rest)} more thoughts here"
+            lines.append(cut(f"{lead}└── ... {len(rest)} more thought{'s' if len(rest) > 1 else ''} here"
                              + (f" ({below} with those below them)" if below > len(rest) else "")))
 
     for root in np.flatnonzero(parents < 0).tolist():
