@@ -1,5 +1,5 @@
-"""``treeattn run``, ``treeattn bench e2e`` and ``treeattn demo`` through the engine's parsers (wired
-into a local argparse tree the way the main CLI wires them)."""
+"""``treeattn run`` and ``treeattn bench e2e`` through the engine's parsers (wired into a local
+argparse tree the way the main CLI wires them)."""
 import argparse
 import json
 
@@ -9,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treeattn.bench.e2e import _schedule  # noqa: E402
-from treeattn.cli.engine import add_bench_e2e_parser, add_demo_parser, add_run_parser  # noqa: E402
+from treeattn.cli.engine import add_bench_e2e_parser, add_run_parser  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,7 +19,6 @@ def cli(argv) -> int:
     parser = argparse.ArgumentParser(prog="treeattn")
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_run_parser(sub)
-    add_demo_parser(sub)
     bench = sub.add_parser("bench").add_subparsers(dest="bench_cmd", required=True)
     add_bench_e2e_parser(bench)
     args = parser.parse_args(argv)
@@ -48,6 +47,9 @@ def test_run_beam_writes_transformers_sequences(tiny, tmp_path, capsys):
     ref = hf.generate(torch.tensor([[4, 8, 15, 16, 23, 42]]), num_beams=4, num_return_sequences=4,
                       do_sample=False, max_new_tokens=16, output_scores=True, return_dict_in_generate=True)
     assert got["sequences"] == ref.sequences.tolist()
+    printed = capsys.readouterr().out.splitlines()   # every beam's new token ids, best first
+    for i, seq in enumerate(ref.sequences.tolist()):
+        assert printed[i].startswith(f"beam {i} (score ") and printed[i].endswith(" ".join(map(str, seq[6:])))
     assert got["scores"] == sorted(got["scores"], reverse=True)
     assert len(got["per_step"]) == 15
 
@@ -81,12 +83,24 @@ def test_run_replay_workloads(tmp_path, workload):
 
 
 def test_run_reports_bad_inputs(tmp_path, capsys):
-    assert cli(["run", "--model", str(tmp_path / "missing"), "--workload", "beam"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli(["run", "--model", str(tmp_path / "missing"), "--workload", "beam"])
+    assert e.value.code == 2 and "does not exist" in capsys.readouterr().err
     assert cli(["run", "--random-weights", "tiny", "--workload", "beam", "--prompt-ids", "1,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
     assert cli(["run", "--random-weights", "tiny", "--workload", "beam", "--prompt", "hello"]) == 2
     assert "tokenizer.json" in capsys.readouterr().err
+    assert cli(["run", "--random-weights", "tiny", "--workload", "sample", "--n", "8", "--prompt-ids", "1,2;3",
+                "--max-new-tokens", "300", "--kv-tokens", "4000"]) == 2
+    assert "2 prompt(s) of 3 tokens + 16 samples x 300 new tokens need at least 4,803 KV tokens" in \
+        capsys.readouterr().err
+    assert cli(["run", "--random-weights", "tiny", "--workload", "beam", "--max-new-tokens", "70000",
+                "--beams", "1", "--kv-tokens", "100000"]) == 2
+    assert "exceed the model's max_position_embeddings (65,536)" in capsys.readouterr().err
+    out = tmp_path / "new" / "r.json"   # --json's folders are made
+    assert cli(["run", "--random-weights", "tiny", "--device", "cpu", "--workload", "speculative-32", "--steps", "2",
+                "--quiet", "--json", str(out)]) == 0
+    assert out.exists() and capsys.readouterr().out.startswith("accepted (")
 
 
 def test_bench_e2e_cpu_smoke(tmp_path):
@@ -156,13 +170,7 @@ def test_bench_e2e_cuda_smoke(tmp_path):
             assert r["tuning"] is None      # measured auto is opt-in (--tune)
 
 
-def test_demo_runs_a_tree_of_thoughts(capsys):
-    assert cli(["demo", "--template", "keyword", "--scale", "0.05"]) == 0
-    out = capsys.readouterr().out
-    assert "Tree-of-Thoughts decode" in out and "same thoughts" in out
-
-
-def test_run_with_a_tokenizer(tiny, tmp_path):
+def test_run_with_a_tokenizer(tiny, tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     hf, path = tiny
@@ -178,3 +186,5 @@ def test_run_with_a_tokenizer(tiny, tmp_path):
         (path / "tokenizer.json").unlink()
     got = json.loads(out.read_text())
     assert got["sequences"][0][:3] == [5, 6, 7] and got["texts"][0].startswith("w5 w6 w7")
+    text = " ".join(f"w{t}" for t in got["sequences"][0][3:])
+    assert capsys.readouterr().out.startswith(f"beam 0 (score {got['scores'][0]:.3f}): {text!r}\n")

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
 import torch
 
 from treeattn import STRATEGIES, TreeAttention
 from treeattn.bench.timing import copy_bandwidth, provenance, roofline_us, time_run
+from treeattn.cli.args import add_log_level, heads_list_arg, prepare_output, strategies_arg
 from treeattn.tree import find_shared, suite_trees, tree_from_spec
 
 PEERS = ("pat_us", "fasttree_us", "flashinfer_decode_us", "flashinfer_cascade_us", "deft_us")
@@ -141,18 +143,19 @@ def run(args) -> int:
     from rich.table import Table
 
     if not torch.cuda.is_available():
-        raise SystemExit("treeattn bench kernels needs a CUDA GPU")
-    strategies = args.strategies.split(",") if args.strategies else list(STRATEGIES)
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown:
-        raise SystemExit(f"unknown strategies {unknown}; expected {STRATEGIES}")
-    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
+        raise ValueError("it needs a CUDA GPU, and PyTorch sees none on this machine")
+    strategies = args.strategies or list(STRATEGIES)
+    heads = args.heads
+    # everything that can fail on input fails here, before minutes of measuring
+    suite = suite_trees(args.suite)
     anchors = load_anchors()
+    out_path = prepare_output(_device_named(args.out), "--out")
+    plot_path = prepare_output(_device_named(args.plot), "--plot")
     bandwidth = copy_bandwidth()
     pdl = {"auto": None, "on": True, "off": False}[args.pdl]
     tma = False if args.no_tma else None
     mode = TreeAttention(device="cuda", streams=args.streams, pdl=pdl, tma=tma)  # (the launch mode, resolved)
-    cases = [(spec, hq, hkv) for spec in suite_trees(args.suite) for hq, hkv in heads]
+    cases = [(spec, hq, hkv) for spec in suite for hq, hkv in heads]
     compile_s = _precompile(mode, heads, args.compile_workers)
     head = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16", "head_dim": HEAD_DIM,
             "streams": mode.num_streams, "pdl": mode.pdl, "tma": not args.no_tma,
@@ -163,8 +166,8 @@ def run(args) -> int:
         rows.append(bench_case(spec, hq, hkv, strategies, bandwidth, anchors, streams=args.streams,
                                pdl=pdl, tma=tma))
         torch.cuda.empty_cache()
-        if args.out:  # every finished case on disk at once: a run cut off by a time limit keeps them
-            _write_json(args.out, {**head, "partial": True, "rows": rows})
+        if out_path:  # every finished case on disk at once: a run cut off by a time limit keeps them
+            _write_json(out_path, {**head, "partial": True, "rows": rows})
     result = {**head, "rows": rows, "summary": summarize(rows)}
     console = Console(width=200)
     table = Table("tree", "heads", "req", "tokens", "roof us", *[f"{s} us (x)" for s in strategies],
@@ -179,11 +182,21 @@ def run(args) -> int:
     console.print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for k, v in result["summary"].items():
         console.print(f"{k}: " + ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items()))
-    if args.out:
-        _write_json(args.out, result)
-    if args.plot:
-        plot(rows, strategies, args.plot)
+    if out_path:
+        _write_json(out_path, result)
+        console.print(f"wrote {out_path}")
+    if plot_path:
+        plot(rows, strategies, plot_path)
+        console.print(f"wrote {plot_path}")
     return 0
+
+
+def _device_named(path: str | None) -> str | None:
+    """``path`` with ``{device}`` replaced by the GPU's name as a file-name part ('nvidia_h200')."""
+    if not path or "{device}" not in path:
+        return path
+    slug = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_") or "gpu"
+    return path.replace("{device}", slug)
 
 
 def _precompile(mode: TreeAttention, heads: list, workers: int | None) -> float | None:
@@ -205,10 +218,15 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("kernels", help="kernel-suite latency vs roofline and peers (CUDA)")
-    p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"])
-    p.add_argument("--heads", default="32/32,32/8,64/8")
-    p.add_argument("--strategies", default=None, help="comma-separated (default: all)")
+    """Register ``kernels`` (``treeattn bench kernels``) on the ``bench`` sub-command's sub-parsers."""
+    p = subparsers.add_parser("kernels", help="kernel-suite latency vs roofline and peers (CUDA)",
+                              description="Time every strategy on the kernel suite (fp16, head_dim 128) "
+                                          "against the HBM roofline and the peers' measured latencies.")
+    p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"],
+                   help="which trees: FastTree's, PAT's or both (default: all)")
+    p.add_argument("--heads", type=heads_list_arg, default="32/32,32/8,64/8", metavar="Q/KV,...",
+                   help="comma-separated query/KV head configs (default: 32/32,32/8,64/8)")
+    p.add_argument("--strategies", type=strategies_arg, default=None, help="comma-separated (default: all)")
     p.add_argument("--streams", type=int, default=None,
                    help="side streams for a plan's launches of different tile shapes (0: one stream; "
                         "default: 0 where programmatic dependent launches apply, else 3)")
@@ -219,6 +237,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compile-workers", type=int, default=None, metavar="N",
                    help="compile every kernel variant of each head config up front in N processes "
                         "(0: in this process; default: each on its first launch)")
-    p.add_argument("--out", default="benchmarks/results/h200_kernels.json")
-    p.add_argument("--plot", default="benchmarks/results/h200_kernels.png")
+    p.add_argument("--out", nargs="?", const="{device}_kernels.json", default=None, metavar="PATH",
+                   help="write the results as JSON (PATH omitted: {device}_kernels.json in the current "
+                        "folder; {device} in PATH becomes the GPU's name)")
+    p.add_argument("--plot", nargs="?", const="{device}_kernels.png", default=None, metavar="PATH",
+                   help="plot roofline / latency per case (PATH omitted: {device}_kernels.png)")
+    add_log_level(p)
     p.set_defaults(func=run)

@@ -1,8 +1,8 @@
-"""Command line of the engine: ``treeattn run``, ``treeattn bench e2e`` and ``treeattn demo``.
+"""Command line of the engine: ``treeattn run`` and ``treeattn bench e2e``.
 
 The main CLI (:mod:`treeattn.cli.main`) registers them with :func:`add_run_parser`,
-:func:`add_bench_e2e_parser` (on the ``bench`` sub-command's sub-parsers) and :func:`add_demo_parser`;
-every handler returns a process exit code.
+:func:`add_bench_e2e_parser` (on the ``bench`` sub-command's sub-parsers); every handler returns a
+process exit code.
 """
 from __future__ import annotations
 
@@ -14,72 +14,91 @@ import time
 import numpy as np
 import torch
 
-from treeattn import STRATEGIES
+from treeattn import STRATEGIES, KVPoolOutOfMemory
 from treeattn.bench.e2e import BENCH_WORKLOADS, bench_e2e, plot_e2e
 from treeattn.engine.engine import TreeEngine
 from treeattn.engine.model import TreeModel
+from treeattn.cli.args import (add_log_level, device_arg, error, existing_dir, nonnegative_int, positive_float,
+                               positive_int, prepare_output, probability, strategies_arg)
+from treeattn.engine.config import PRESETS
 from treeattn.engine.workloads import WORKLOADS, WorkloadSpec, build_workload
 
-__all__ = ["add_run_parser", "add_bench_e2e_parser", "add_demo_parser", "add_model_args", "load_model"]
+__all__ = ["add_run_parser", "add_bench_e2e_parser", "add_model_args", "load_model"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_model_args(p, default_random=None) -> None:
+    """The model, device and KV-pool options shared by ``run``, ``serve`` and ``bench e2e``."""
     src = p.add_mutually_exclusive_group(required=default_random is None)
-    src.add_argument("--model", metavar="DIR", help="Hugging Face model directory (config.json + safetensors)")
-    src.add_argument("--random-weights", metavar="NAME", default=default_random,
-                     help="random weights of a preset shape: tiny | llama3-8b")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    src.add_argument("--model", metavar="DIR", type=existing_dir,
+                     help="Hugging Face model directory (config.json + safetensors)")
+    src.add_argument("--random-weights", metavar="NAME", default=default_random, choices=sorted(PRESETS),
+                     help=f"random weights of a preset shape: {' | '.join(sorted(PRESETS))}")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-tokens", type=int, default=65536, help="KV pool capacity in tokens")
-    p.add_argument("--window", type=int, default=16, help="decode steps planned at once (1: every step)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights, prompts and sampling")
+    p.add_argument("--page-size", type=positive_int, default=16, help="KV tokens per page (default: 16)")
+    p.add_argument("--kv-tokens", type=positive_int, default=65536,
+                   help="KV pool capacity in tokens (default: 65536)")
+    p.add_argument("--window", type=positive_int, default=16,
+                   help="decode steps planned at once (1: every step; default: 16)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode forward eagerly")
     p.add_argument("--tune", action="store_true",
                    help="auto: time the cost model's near-best strategies and keep the fastest per tree shape")
     p.add_argument("--no-pdl", action="store_true",
                    help="plain attention launches instead of programmatic dependent ones (on by default on "
                         "Hopper and later GPUs)")
-    p.add_argument("--compile-workers", type=int, default=None, metavar="N",
+    p.add_argument("--compile-workers", type=nonnegative_int, default=None, metavar="N",
                    help="bench e2e, serve: processes that compile every attention-kernel variant up front "
                         "on a GPU (default: one a CPU core, up to 16; 0: this process)")
     p.add_argument("--no-fused-layers", action="store_true",
                    help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
+    add_log_level(p)
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``run``: decode one workload and write per-step stats and results as JSON."""
-    p = subparsers.add_parser("run", help="tree decoding of a workload on a Llama-family model")
+    """Register ``run``: decode one workload, print what it generated (``--json``: with per-step stats)."""
+    p = subparsers.add_parser("run", help="tree decoding of a workload on a Llama-family model",
+                              description="Decode one workload on a Llama-family model (a Hugging Face "
+                                          "directory or random weights) and print the generated text, or "
+                                          "token ids without a tokenizer, of every sequence.")
     add_model_args(p)
-    p.add_argument("--workload", required=True, choices=WORKLOADS)
-    p.add_argument("--strategy", default="auto", choices=STRATEGIES)
-    p.add_argument("--steps", type=int, default=None, help="at most this many decode steps")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="beam / sample: tokens to generate")
+    p.add_argument("--workload", required=True, choices=WORKLOADS, metavar="NAME",
+                   help=f"one of {', '.join(WORKLOADS)}")
+    p.add_argument("--strategy", default="auto", choices=STRATEGIES,
+                   help="attention strategy of every decode step (default: auto, the cost model's pick)")
+    p.add_argument("--steps", type=positive_int, default=None, help="at most this many decode steps")
+    p.add_argument("--max-new-tokens", type=positive_int, default=16,
+                   help="beam / sample: tokens to generate (default: 16)")
     p.add_argument("--prompt-ids", action="append", default=[],
                    help="a prompt as comma-separated token ids (repeat, or separate prompts with ';')")
     p.add_argument("--prompt", action="append", default=[], help="a prompt as text (needs tokenizer.json)")
-    p.add_argument("--prompt-len", type=int, default=None, help="pad / draw prompts to this length")
-    p.add_argument("--branches", type=int, default=20, help="fewshot: branches b")
-    p.add_argument("--beams", type=int, default=4)
-    p.add_argument("--n", type=int, default=4, help="sample: samples per prompt")
-    p.add_argument("--branch-every", type=int, default=0, help="sample: split every leaf each K steps")
-    p.add_argument("--branch-factor", type=int, default=2)
-    p.add_argument("--max-leaves", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--greedy", action="store_true")
-    p.add_argument("--template-index", type=int, default=None, help="tot-*: entry of the template file")
-    p.add_argument("--record", type=int, default=0, help="speculative-*: record of the Medusa file")
-    p.add_argument("--scale", type=float, default=1.0, help="tot-*: multiply thought lengths")
+    p.add_argument("--prompt-len", type=positive_int, default=None, help="pad / draw prompts to this length")
+    p.add_argument("--branches", type=positive_int, default=20, help="fewshot: branches b (default: 20)")
+    p.add_argument("--beams", type=positive_int, default=4, help="beam: beams (default: 4)")
+    p.add_argument("--n", type=positive_int, default=4, help="sample: samples per prompt (default: 4)")
+    p.add_argument("--branch-every", type=nonnegative_int, default=0,
+                   help="sample: split every leaf each K steps (0: never)")
+    p.add_argument("--branch-factor", type=positive_int, default=2,
+                   help="sample: children of each split (default: 2)")
+    p.add_argument("--max-leaves", type=positive_int, default=64,
+                   help="sample: no splits beyond this many leaves (default: 64)")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature (default: 1)")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (default: 1)")
+    p.add_argument("--greedy", action="store_true", help="always take the likeliest token")
+    p.add_argument("--template-index", type=nonnegative_int, default=None,
+                   help="tot-*: entry of the template file")
+    p.add_argument("--record", type=nonnegative_int, default=0,
+                   help="speculative-*: record of the Medusa file")
+    p.add_argument("--scale", type=positive_float, default=1.0, help="tot-*: multiply thought lengths")
     p.add_argument("--json", metavar="OUT", default=None, help="write the result and per-step stats here")
     p.add_argument("--dump-logits", action="store_true", help="sample / fewshot: last logits of every leaf")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--world-size", type=int, default=1,
+    p.add_argument("--world-size", type=positive_int, default=1,
                    help="ranks sharding the KV along the sequence (start with torchrun --nproc-per-node N)")
     p.set_defaults(func=run_command)
     return p
@@ -87,24 +106,39 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
 
 def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``e2e`` (``treeattn bench e2e``): DeFT Table 5 / Fig. 4 on one GPU."""
-    p = subparsers.add_parser("e2e", help="end-to-end decode latency of every workload, per strategy")
+    p = subparsers.add_parser("e2e", help="end-to-end decode latency of every workload, per strategy",
+                              description="End-to-end decode latency of tree-decoding workloads, per "
+                                          "strategy (DeFT Table 5 / Fig. 4).")
     add_model_args(p, default_random="llama3-8b")
-    p.add_argument("--workloads", default=",".join(BENCH_WORKLOADS),
+    p.add_argument("--workloads", type=_workloads_arg, default=",".join(BENCH_WORKLOADS),
                    help=f"comma-separated, from {', '.join(BENCH_WORKLOADS)} (or any run workload)")
-    p.add_argument("--strategies", default="auto,sequence", help="compared with the last one")
+    p.add_argument("--strategies", type=strategies_arg, default="auto,sequence",
+                   help="comma-separated strategies, compared with the last one (default: auto,sequence)")
     p.add_argument("--steps", type=_steps_arg, default=None,
                    help="timed decode steps per workload and strategy, or 'all' (default): every step "
                         "of the workload, cut into --windows consecutive windows")
-    p.add_argument("--windows", type=int, default=10,
+    p.add_argument("--windows", type=positive_int, default=10,
                    help="places in each workload the timed steps sit (with --steps all: the windows that tile it)")
-    p.add_argument("--breakdown-steps", type=int, default=2,
+    p.add_argument("--breakdown-steps", type=nonnegative_int, default=2,
                    help="isolated steps per window for the breakdown")
-    p.add_argument("--warmup-steps", type=int, default=1,
+    p.add_argument("--warmup-steps", type=nonnegative_int, default=1,
                    help="untimed steps before each window (auto's measured tuning settles in a few dozen)")
-    p.add_argument("--json", metavar="OUT", default=None)
-    p.add_argument("--png", metavar="OUT", default=None)
+    p.add_argument("--json", metavar="OUT", default=None, help="write the results here (JSON)")
+    p.add_argument("--png", metavar="OUT", default=None, help="plot the speedups here")
     p.set_defaults(func=bench_command)
     return p
+
+
+def _workloads_arg(text: str) -> list[str]:
+    """``--workloads`` of ``bench e2e``: comma-separated names of :data:`BENCH_WORKLOADS` or
+    :data:`WORKLOADS`."""
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    known = dict.fromkeys(BENCH_WORKLOADS + WORKLOADS)
+    bad = [w for w in names if w not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown workloads {', '.join(bad) or '(none given)'}; "
+                                         f"expected a comma-separated list from {', '.join(known)}")
+    return names
 
 
 def _steps_arg(text: str) -> int | None:
@@ -115,18 +149,6 @@ def _steps_arg(text: str) -> int | None:
     if n < 1:
         raise argparse.ArgumentTypeError(f"--steps must be a positive count or 'all', got {text}")
     return n
-
-
-def add_demo_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``demo``: a small Tree-of-Thoughts decode with a tiny random model on the CPU."""
-    p = subparsers.add_parser("demo", help="end-to-end Tree-of-Thoughts decoding with a tiny random model")
-    p.add_argument("--template", default="sorting", help="ToT template: sorting | docmerge | keyword | set")
-    p.add_argument("--scale", type=float, default=0.02, help="multiply thought lengths")
-    p.add_argument("--strategies", default="auto,flatten,sequence")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=demo_command)
-    return p
 
 
 # ---------------------------------------------------------------------- helpers
@@ -157,7 +179,8 @@ def _init_ranks(args) -> tuple[int, int]:
     return init_distributed(n, device)
 
 
-def _prompts(args, model) -> list:
+def _prompt_ids(args) -> list:
+    """The ``--prompt-ids`` prompts as lists of ints (their range is checked against the model)."""
     prompts = []
     for group in args.prompt_ids:
         for part in filter(None, (s.strip() for s in group.split(";"))):
@@ -165,15 +188,67 @@ def _prompts(args, model) -> list:
                 ids = [int(t) for t in part.split(",") if t.strip()]
             except ValueError:
                 raise ValueError(f"--prompt-ids {part!r}: expected comma-separated integers") from None
-            bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-            if bad or not ids:
-                raise ValueError(f"--prompt-ids {part!r}: ids must be in [0, {model.config.vocab_size})")
+            if not ids:
+                raise ValueError(f"--prompt-ids {part!r}: expected comma-separated integers")
             prompts.append(ids)
+    return prompts
+
+
+def _prompts(args, model) -> list:
+    prompts = _prompt_ids(args)
+    for ids in prompts:
+        if not all(0 <= t < model.config.vocab_size for t in ids):
+            raise ValueError(f"--prompt-ids {','.join(map(str, ids))}: ids must be in "
+                             f"[0, {model.config.vocab_size})")
     if args.prompt:
         if model.tokenizer is None:
             raise ValueError("--prompt needs a model directory with tokenizer.json; use --prompt-ids")
         prompts += [model.tokenizer.encode(text).ids for text in args.prompt]
     return prompts
+
+
+def _tokens_needed(args, prompt_lens: list) -> tuple[int, int, str]:
+    """``(KV tokens, longest sequence, what)``: a lower bound of what ``beam``, ``sample`` and
+    ``fewshot`` hold in the KV pool at their end (every prompt plus every leaf's new tokens), and
+    their longest sequence; (0, 0, "") for the replayed workloads, whose files fix their size."""
+    def plen(default: int) -> list:
+        if args.workload == "sample":     # sample decodes its prompts as given
+            return prompt_lens or [args.prompt_len or default]
+        # beam and fewshot decode the first prompt, cut or repeated to --prompt-len
+        return [args.prompt_len or (prompt_lens[0] if prompt_lens else default)]
+
+    if args.workload == "beam":
+        p, new = plen(16)[0], args.max_new_tokens
+        return p + args.beams * new, p + new, f"a {p}-token prompt + {args.beams} beams x {new} new tokens"
+    if args.workload == "sample":
+        ps, new = plen(16), args.max_new_tokens
+        return (sum(ps) + len(ps) * args.n * new, max(ps) + new,
+                f"{len(ps)} prompt(s) of {sum(ps)} tokens + {len(ps) * args.n} samples x {new} new tokens")
+    if args.workload == "fewshot":
+        p, new = plen(4000)[0], args.steps or 400
+        return p + args.branches * new, p + new, f"a {p}-token prompt + {args.branches} branches x {new} steps"
+    return 0, 0, ""
+
+
+def check_run_args(args) -> None:
+    """What ``run`` can check before loading the model: prompt ids parse, and the KV pool holds
+    the workload. Raises ValueError naming the options at fault."""
+    lens = [len(p) for p in _prompt_ids(args)]
+    if args.prompt and args.workload in ("beam", "sample", "fewshot"):
+        lens += [1] * len(args.prompt)    # (their token counts are known once the tokenizer is loaded)
+    need, _, what = _tokens_needed(args, lens)
+    if need > args.kv_tokens:
+        raise ValueError(f"{what} need at least {need:,} KV tokens, more than --kv-tokens {args.kv_tokens:,}; "
+                         f"raise --kv-tokens or lower --max-new-tokens / the number of sequences")
+
+
+def _check_positions(args, model, prompts: list) -> None:
+    """The longest sequence must fit the model's positions (checked once the model is loaded)."""
+    _, longest, what = _tokens_needed(args, [len(p) for p in prompts])
+    limit = model.config.max_position_embeddings
+    if longest > limit:
+        raise ValueError(f"{what}: sequences of {longest:,} tokens exceed the model's "
+                         f"max_position_embeddings ({limit:,})")
 
 
 def _jsonable(result: dict, dump_logits: bool, tokenizer) -> dict:
@@ -193,9 +268,37 @@ def _jsonable(result: dict, dump_logits: bool, tokenizer) -> dict:
     return out
 
 
-def _fail(cmd: str, err: Exception) -> int:
-    print(f"treeattn {cmd}: error: {err}", file=sys.stderr)
-    return 2
+#: ``run`` prints at most this many generated sequences (``--json`` holds all of them)
+SHOWN_SEQUENCES = 16
+
+
+def generated(result: dict, controller) -> list[tuple[str, list]]:
+    """``[(label, new token ids)]``: what a workload generated, one entry per beam, leaf, thought
+    or accepted sequence, without the prompts."""
+    if "sequences" in result:          # beam search, best first
+        p = len(controller.prompt)
+        return [(f"beam {i} (score {score:.3f})", seq[p:])
+                for i, (seq, score) in enumerate(zip(result["sequences"], result["scores"]))]
+    if "leaves" in result:             # sampling: the prompt index of every leaf
+        prompts = controller.prompts
+        return [(f"prompt {leaf['prompt']} leaf {leaf['node']}",
+                 leaf["tokens"][len(prompts[leaf["prompt"]]) if leaf["prompt"] is not None else 0:])
+                for leaf in result["leaves"]]
+    if "thoughts" in result:
+        return [(f"thought {t['template_node']}", t["tokens"]) for t in result["thoughts"]]
+    if "tokens" in result:             # speculative decoding's accepted sequence
+        return [(f"accepted ({result['accepted']} tokens)", result["tokens"][len(controller.prompt):])]
+    return []
+
+
+def print_generated(result: dict, controller, tokenizer) -> None:
+    """Print every generated sequence: its text with a tokenizer, else its token ids."""
+    seqs = generated(result, controller)
+    for label, ids in seqs[:SHOWN_SEQUENCES]:
+        body = repr(tokenizer.decode(ids)) if tokenizer is not None else " ".join(map(str, ids))
+        print(f"{label}: {body}")
+    if len(seqs) > SHOWN_SEQUENCES:
+        print(f"... and {len(seqs) - SHOWN_SEQUENCES} more (all of them with --json)")
 
 
 # ---------------------------------------------------------------------- commands
@@ -204,10 +307,14 @@ def run_command(args) -> int:
     from tqdm import tqdm
 
     try:
+        check_run_args(args)
+        prepare_output(args.json, "--json")
         rank, world = _init_ranks(args)
         model = load_model(args)
+        prompts = _prompts(args, model)
+        _check_positions(args, model, prompts)
         spec = WorkloadSpec(
-            args.workload, vocab_size=model.config.vocab_size, prompts=_prompts(args, model),
+            args.workload, vocab_size=model.config.vocab_size, prompts=prompts,
             prompt_len=args.prompt_len, branches=args.branches, steps=args.steps,
             max_new_tokens=args.max_new_tokens, beams=args.beams, n=args.n, seed=args.seed,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, greedy=args.greedy,
@@ -216,7 +323,7 @@ def run_command(args) -> int:
             branch_factor=args.branch_factor, max_leaves=args.max_leaves)
         controller, total = build_workload(spec)
     except (ValueError, FileNotFoundError, ImportError) as e:
-        return _fail("run", e)
+        return error("treeattn run", e)
     steps = min(total, args.steps) if args.steps else total
     kw = dict(strategy=args.strategy, synchronize=model.device.type == "cuda", **_engine_kw(args))
     if world > 1:
@@ -241,9 +348,9 @@ def run_command(args) -> int:
     t0 = time.perf_counter()
     try:
         result = engine.run(controller, max_steps=steps, on_step=on_step)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, KVPoolOutOfMemory) as e:
         bar.close()
-        return _fail("run", e)
+        return error("treeattn run", e)
     wall = time.perf_counter() - t0
     bar.close()
     used = {}
@@ -266,6 +373,7 @@ def run_command(args) -> int:
         torch.distributed.destroy_process_group()
     if rank != 0:
         return 0
+    print_generated(result, controller, model.tokenizer)
     print(f"{args.workload}: {out['steps']} steps in {wall:.2f} s ({out['mean_step_ms']:.2f} ms/step), "
           f"strategy {args.strategy} -> {used}, {pages_at_end} KV pages in use at the end")
     if args.json:
@@ -282,14 +390,12 @@ def bench_command(args) -> int:
 
     console = Console(width=max(120, Console().width))
     try:
+        prepare_output(args.json, "--json")
+        prepare_output(args.png, "--png")
         model = load_model(args)
     except (ValueError, FileNotFoundError) as e:
-        return _fail("bench e2e", e)
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    strategies = tuple(s.strip() for s in args.strategies.split(",") if s.strip())
-    bad = [s for s in strategies if s not in STRATEGIES]
-    if bad or not strategies:
-        return _fail("bench e2e", ValueError(f"unknown strategies {bad}; expected from {STRATEGIES}"))
+        return error("treeattn bench e2e", e)
+    workloads, strategies = args.workloads, tuple(args.strategies)
     console.print(f"model {args.model or args.random_weights} ({model.config.num_parameters() / 1e9:.2f} B "
                   f"parameters, {str(model.dtype)[6:]}) on {model.device}")
 
@@ -311,8 +417,8 @@ def bench_command(args) -> int:
         result = bench_e2e(model, workloads, strategies, steps=args.steps, windows=args.windows,
                            breakdown_steps=args.breakdown_steps, warmup_steps=args.warmup_steps,
                            seed=args.seed, progress=progress, **_engine_kw(args))
-    except (ValueError, FileNotFoundError) as e:
-        return _fail("bench e2e", e)
+    except (ValueError, FileNotFoundError, KVPoolOutOfMemory) as e:
+        return error("treeattn bench e2e", e)
     if model.device.type == "cuda":
         from treeattn.bench.timing import provenance
 
@@ -339,56 +445,3 @@ def bench_command(args) -> int:
         plot_e2e(result, args.png)
         console.print(f"wrote {args.png}")
     return 0
-
-
-def demo_command(args) -> int:
-    """``treeattn demo``: a Tree-of-Thoughts replay with a tiny random Llama, one run per strategy;
-    every strategy must produce the same thoughts and free every KV page."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(120, Console().width))
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(1)     # the tiny model's matmuls only lose from splitting across threads
-    model = TreeModel.random("small", device=device, dtype=torch.float32, seed=args.seed, std=0.1)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    table = Table("strategy", "steps", "thoughts", "tokens", "KV kB read / layer / step", "ms/step", "plan ms",
-                  "chosen", "KV pages peak", "pages freed")
-    thoughts, what = {}, ""
-    for strategy in strategies:
-        spec = WorkloadSpec(f"tot-{args.template}", vocab_size=model.config.vocab_size, seed=args.seed,
-                            greedy=True, scale=args.scale)
-        try:
-            controller, total = build_workload(spec)
-        except (ValueError, FileNotFoundError) as e:
-            return _fail("demo", e)
-        what = f"tot-{args.template}: {total} decode steps, prompt {len(controller.prompt)} tokens"
-        engine = TreeEngine(model, strategy=strategy, page_size=16, kv_tokens=16384)
-        peak = [0]
-
-        def on_step(step, stats, engine=engine, peak=peak):
-            peak[0] = max(peak[0], engine.pool.num_pages - engine.pool.num_free_pages)
-
-        t0 = time.perf_counter()
-        result = engine.run(controller, on_step=on_step)
-        ms = (time.perf_counter() - t0) * 1e3 / max(1, len(engine.stats))
-        engine.reset()
-        engine.pool.check()
-        freed = engine.pool.num_free_pages == engine.pool.num_pages
-        thoughts[strategy] = [t["tokens"] for t in result["thoughts"]]
-        chosen = sorted({s.strategy for s in engine.stats})
-        table.add_row(strategy, str(len(engine.stats)), str(len(result["thoughts"])),
-                      str(sum(len(t) for t in thoughts[strategy])),
-                      f"{np.mean([s.kv_bytes for s in engine.stats]) / 1e3:.1f}", f"{ms:.1f}",
-                      f"{np.mean([s.plan_ms for s in engine.stats]):.2f}", ",".join(chosen), str(peak[0]),
-                      "yes" if freed else "NO")
-        if not freed:
-            return _fail("demo", RuntimeError(f"{strategy}: KV pages leaked"))
-    console.print(f"[bold]Tree-of-Thoughts decode[/bold] with a small random Llama (2 layers, 8/2 heads of "
-                  f"64) on {device}: {what}")
-    console.print(table)
-    same = all(v == thoughts[strategies[0]] for v in thoughts.values())
-    console.print("every strategy generated the same thoughts (greedy)" if same else
-                  "[red]strategies disagree on the generated thoughts[/red]")
-    return 0 if same else 1

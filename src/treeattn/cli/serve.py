@@ -12,6 +12,8 @@ import logging
 import time
 
 from treeattn import STRATEGIES
+from treeattn.cli.args import (add_log_level, existing_file, nonnegative_int, positive_float, positive_int,
+                               prepare_output)
 from treeattn.cli.engine import add_model_args, load_model
 
 __all__ = ["add_serve_parser", "add_bench_serve_parser", "serve_command", "bench_serve_command"]
@@ -21,44 +23,57 @@ log = logging.getLogger(__name__)
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve``: an OpenAI-compatible completions server with continuous batching."""
-    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, prefix cache)")
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, prefix cache)",
+                              description="Serve a model through an OpenAI-compatible completions API with "
+                                          "continuous batching and a prefix cache.")
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
-    p.add_argument("--max-batch", type=int, default=64, help="sequences decoded per step")
-    p.add_argument("--strategy", default="auto", choices=STRATEGIES)
-    p.add_argument("--prefix-block", type=int, default=64,
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default: 8000)")
+    p.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before 429")
+    p.add_argument("--max-batch", type=positive_int, default=64, help="sequences decoded per step")
+    p.add_argument("--strategy", default="auto", choices=STRATEGIES,
+                   help="attention strategy of every decode step (default: auto)")
+    p.add_argument("--prefix-block", type=positive_int, default=64,
                    help="prefix-cache granularity in tokens (a multiple of --page-size; 512 for PAT's trace)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + max_tokens (default: the model's and the KV pool's limit)")
     p.add_argument("--served-model-name", default=None, help="default: the model directory or preset name")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=serve_command)
     return p
 
 
 def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` (``treeattn bench serve``): PAT's conversation trace replayed online."""
-    p = subparsers.add_parser("serve", help="replay a request trace against a running server")
-    p.add_argument("--trace", default=None,
+    p = subparsers.add_parser("serve", help="replay a request trace against a running server",
+                              description="Replay PAT's conversation trace (or another JSON-lines trace) "
+                                          "against a running treeattn or OpenAI-compatible server.")
+    p.add_argument("--trace", type=existing_file, default=None,
                    help="JSON-lines trace (default: shared/workloads/pat/conversation_trace.jsonl)")
     p.add_argument("--rate", type=float, required=True,
                    help="requests per second, Poisson arrivals (<= 0: the trace's timestamps)")
-    p.add_argument("--duration", type=float, default=None, help="send requests arriving in this many seconds")
-    p.add_argument("--max-requests", type=int, default=None, help="use at most this many trace records")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--block-tokens", type=int, default=512, help="tokens per hash id")
-    p.add_argument("--max-input-len", type=int, default=None, help="cap prompts (keeps shared blocks)")
-    p.add_argument("--max-output-len", type=int, default=None, help="cap output lengths")
+    p.add_argument("--duration", type=positive_float, default=None,
+                   help="send requests arriving in this many seconds")
+    p.add_argument("--max-requests", type=positive_int, default=None, help="use at most this many trace records")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
+    p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash id (default: 512)")
+    p.add_argument("--max-input-len", type=positive_int, default=None, help="cap prompts (keeps shared blocks)")
+    p.add_argument("--max-output-len", type=positive_int, default=None, help="cap output lengths")
     p.add_argument("--system-prompt", default="pat", choices=("pat", "none"),
                    help="prepend PAT's three-level system prompt (46/348/2123 tokens) to every prompt")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompts' token ids")
+    p.add_argument("--timeout", type=positive_float, default=600.0, help="per-request timeout (s)")
     p.add_argument("--json", metavar="OUT", default=None, help="write the summary here")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_log_level(p)
     p.set_defaults(func=bench_serve_command)
     return p
+
+
+def _port(text: str) -> int:
+    port = nonnegative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [0, 65535], got {text!r}")
+    return port
 
 
 def serve_command(args) -> int:
@@ -66,7 +81,6 @@ def serve_command(args) -> int:
     from treeattn.serve.scheduler import Scheduler
     from treeattn.serve.server import run_server
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.prefix_block % args.page_size:
         log.warning("--prefix-block %d is not a multiple of --page-size %d: cached blocks will "
                     "copy partly filled pages", args.prefix_block, args.page_size)
@@ -92,7 +106,7 @@ def serve_command(args) -> int:
     log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
              max_len, engine.pool.num_pages)
     run_server(scheduler, host=args.host, port=args.port, model_name=name, tokenizer=model.tokenizer,
-               max_model_len=max_len, log_level=args.log_level)
+               max_model_len=max_len, log_level=getattr(args, "log_level", "info"))
     return 0
 
 
@@ -111,6 +125,7 @@ def bench_serve_command(args) -> int:
     from treeattn.bench.serve import PAT_SYSTEM_PROMPT, bench_serve
     from treeattn.tree import find_shared
 
+    prepare_output(args.json, "--json")
     trace = args.trace or find_shared() / "workloads" / "pat" / "conversation_trace.jsonl"
     summary = bench_serve(trace, url=args.url, rate=args.rate, duration=args.duration,
                           max_requests=args.max_requests, block_tokens=args.block_tokens, seed=args.seed,
