@@ -101,7 +101,8 @@ def parse_workload(text: str, *, prompt_len: int | None = None, new_tokens: int 
         if new_tokens is not None:
             extra["max_new_tokens"] = new_tokens
         return Workload(text, "registry", extra=extra)
-    raise ValueError(f"unknown workload {text!r}: expected beam-K, sample-N, group-PxN or one of {WORKLOADS}")
+    raise ValueError(f"unknown workload {text!r}: expected beam-K, sample-N, group-PxN, rollout-PxN, best-of-N "
+                     f"or one of {WORKLOADS}")
 
 
 DEFAULT_WORKLOADS = ("beam-4", "beam-8", "beam-16", "sample-16", "sample-64", "group-8x16", "rollout-8x16",

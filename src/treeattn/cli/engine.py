@@ -445,3 +445,96 @@ def bench_command(args) -> int:
         plot_e2e(result, args.png)
         console.print(f"wrote {args.png}")
     return 0
+
+
+# ---------------------------------------------------------------------- bench workloads
+def add_bench_workloads_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``workloads`` (``treeattn bench workloads``): the workloads users run, end to end."""
+    from treeattn.bench.workloads import DEFAULT_WORKLOADS
+
+    p = subparsers.add_parser(
+        "workloads", help="beam search, n-sampling, RL rollouts, best-of-N: wall vs GPU vs floor, "
+                          "auto vs sequence vs transformers (CUDA)",
+        description="Per workload and strategy: wall and isolated GPU ms a decode step, host syncs in "
+                    "the loop, the step's floor (weights + unique KV + logits at the measured copy "
+                    "bandwidth), and transformers' generate on the same shapes.")
+    add_model_args(p, default_random="llama3-8b")
+    p.add_argument("--workloads", type=_bench_workloads_arg, default=",".join(DEFAULT_WORKLOADS),
+                   help="comma-separated: beam-K, sample-N, group-PxN, rollout-PxN, best-of-N or a run "
+                        f"workload (default: {','.join(DEFAULT_WORKLOADS)})")
+    p.add_argument("--prompt-len", type=positive_int, default=None,
+                   help="prompt tokens (default: 2000 for beam search, 1500 otherwise)")
+    p.add_argument("--new-tokens", type=positive_int, default=None,
+                   help="decode steps of each workload (default: 64; 128 for rollouts and best-of-N)")
+    p.add_argument("--strategies", type=strategies_arg, default="auto,sequence",
+                   help="comma-separated strategies (default: auto,sequence)")
+    p.add_argument("--no-transformers", action="store_true", help="skip transformers' generate")
+    p.add_argument("--out", metavar="JSON", default=None, help="write the results here")
+    p.add_argument("--plot", metavar="PNG", default=None, help="plot ms/step here")
+    p.set_defaults(func=bench_workloads_command, kv_tokens=1 << 17)
+    return p
+
+
+def _bench_workloads_arg(text: str) -> list[str]:
+    from treeattn.bench.workloads import parse_workload
+
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no workloads given")
+    for n in names:
+        try:
+            parse_workload(n)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
+
+
+def bench_workloads_command(args) -> int:
+    """``treeattn bench workloads``."""
+    from tqdm import tqdm
+
+    from treeattn.bench.workloads import bench_workloads, parse_workload, plot_workloads
+
+    name = "treeattn bench workloads"
+    if not torch.cuda.is_available() or (args.device and not args.device.startswith("cuda")):
+        return error(name, ValueError("needs a CUDA GPU"))
+    try:
+        prepare_output(args.out, "--out")
+        prepare_output(args.plot, "--plot")
+        workloads = [parse_workload(w, prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+                     for w in args.workloads]
+        model = load_model(args)
+    except (ValueError, FileNotFoundError) as e:
+        return error(name, e)
+    bar = tqdm(total=len(workloads) * len(args.strategies), unit="run")
+
+    def progress(msg):
+        bar.set_description(msg)
+        if " / " in msg and not msg.endswith("transformers"):
+            bar.update(1)
+
+    result = bench_workloads(model, workloads, tuple(args.strategies), kv_tokens=args.kv_tokens,
+                             page_size=args.page_size, transformers_baseline=not args.no_transformers,
+                             progress=progress)
+    bar.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        plot_workloads(result, args.plot)
+    print(f"{'workload':14s} {'strategy':10s} {'wall':>7s} {'GPU':>7s} {'floor':>7s} {'wall/GPU':>8s} "
+          f"{'GPU/floor':>9s} {'syncs':>5s}")
+    for wname, rows in result["workloads"].items():
+        for s in args.strategies:
+            r = rows[s]
+            print(f"{wname:14s} {s:10s} {r['wall_ms']:7.2f} {r['gpu_ms']:7.2f} {r['floor_ms']:7.2f} "
+                  f"{r['wall_over_gpu']:8.2f} {r['gpu_over_floor']:9.2f} {r['syncs']:5d}")
+        if "transformers" in rows:
+            print(f"{wname:14s} {'hf':10s} {rows['transformers']['ms_per_step']:7.2f}   "
+                  f"auto {rows.get('auto_over_transformers', float('nan')):.1f}x faster")
+        if "auto_over_sequence" in rows:
+            print(f"{'':14s} auto / sequence speedup {rows['auto_over_sequence']:.2f}x")
+    for s, e in result["engines"].items():
+        print(f"engine {s}: compile {e['compile_s']:.1f} s, first run {e['first_run_s']:.2f} s, "
+              f"second {e['second_run_s']:.2f} s")
+    return 0

@@ -18,7 +18,7 @@ from treeattn.bench import kernels
 from treeattn.cli.args import (CliParser, add_log_level, device_arg, error, heads_arg, nonnegative_int,
                                positive_int, tree_spec_arg)
 from treeattn.cli.demo import add_demo_parser
-from treeattn.cli.engine import add_bench_e2e_parser, add_run_parser
+from treeattn.cli.engine import add_bench_e2e_parser, add_bench_workloads_parser, add_run_parser
 from treeattn.cli.serve import add_bench_serve_parser, add_serve_parser
 from treeattn.engine.workloads import TOT_TEMPLATES
 from treeattn.tree import tree_from_spec, tree_from_tot_template
@@ -158,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = bench_p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     kernels.add_parser(bench)
     add_bench_e2e_parser(bench)
+    add_bench_workloads_parser(bench)
     add_bench_serve_parser(bench)
     return parser
 
