@@ -25,8 +25,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 
-from treeattn.serve.protocol import (GenerationRequest, ProtocolError, error_body, parse_chat, parse_completion,
-                                     usage_body)
+from treeattn.serve.protocol import (
+    GenerationRequest,
+    ProtocolError,
+    error_body,
+    parse_chat,
+    parse_completion,
+    usage_body,
+)
 from treeattn.serve.scheduler import QueueFull, Scheduler
 
 __all__ = ["create_app", "ServerThread", "run_server"]
