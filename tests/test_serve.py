@@ -138,7 +138,7 @@ def test_sampling_choices_are_seeded(server):
     b'{"prompt": [1, -1]}', b'{"prompt": "text needs a tokenizer"}', b'{"prompt": [1], "max_tokens": 0}',
     b'{"prompt": [1], "max_tokens": "8"}', b'{"prompt": [1], "temperature": -1}',
     b'{"prompt": [1], "top_p": 0}', b'{"prompt": [1], "n": 0}', b'{"prompt": [1], "stream": "yes"}',
-    b'{"prompt": [1], "logprobs": 3}', b'{"prompt": [[1], [2]]}', b'{"prompt": [true]}',
+    b'{"prompt": [1], "suffix": "x"}', b'{"prompt": [[1], [2]]}', b'{"prompt": [true]}',
     b'{"prompt": [1], "max_tokens": 600}', b'{"prompt": [1], "n": 64, "max_tokens": 400}',
 ])
 def test_bad_requests_get_400(server, raw):

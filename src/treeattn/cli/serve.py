@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import time
+from pathlib import Path
 
 from treeattn import STRATEGIES
 from treeattn.cli.args import (add_log_level, existing_file, nonnegative_int, positive_float, positive_int,
@@ -38,6 +40,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + max_tokens (default: the model's and the KV pool's limit)")
     p.add_argument("--served-model-name", default=None, help="default: the model directory or preset name")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TREEATTN_API_KEY; none: open)")
+    p.add_argument("--shutdown-grace", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM, seconds running requests get to finish before they are cancelled")
+    p.add_argument("--chat-template", metavar="FILE", type=existing_file, default=None,
+                   help="Jinja chat template (default: the model directory's tokenizer_config.json)")
     p.set_defaults(func=serve_command)
     return p
 
@@ -105,9 +113,25 @@ def serve_command(args) -> int:
                           block_tokens=args.prefix_block)
     log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
              max_len, engine.pool.num_pages)
+    chat = _chat_template(args, model)
+    api_key = args.api_key or os.environ.get("TREEATTN_API_KEY") or None
+    log.info("chat template: %s; API key %s", "yes" if chat is not None else "none (no /v1/chat/completions)",
+             "required" if api_key else "not required")
     run_server(scheduler, host=args.host, port=args.port, model_name=name, tokenizer=model.tokenizer,
-               max_model_len=max_len, log_level=getattr(args, "log_level", "info"))
+               max_model_len=max_len, log_level=getattr(args, "log_level", "info"), chat_template=chat,
+               api_key=api_key, shutdown_grace=args.shutdown_grace)
     return 0
+
+
+def _chat_template(args, model):
+    """``--chat-template`` or the model directory's template (None without one or a tokenizer)."""
+    from treeattn.serve.chat import ChatTemplate
+
+    if model.tokenizer is None:
+        return None
+    if args.chat_template:
+        return ChatTemplate(Path(args.chat_template).read_text())
+    return ChatTemplate.from_pretrained(args.model) if args.model else None
 
 
 def _fmt(s: dict) -> str:

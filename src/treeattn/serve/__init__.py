@@ -5,8 +5,10 @@ HTTP server.
   paged pool (reference counts by structure, LRU eviction).
 * :mod:`.scheduler` -- :class:`Scheduler`, continuous batching (admission by free KV pages,
   preemption) on its own engine thread.
-* :mod:`.protocol`, :mod:`.server` -- ``/v1/completions`` validation and the FastAPI app (needs
-  ``fastapi`` and ``uvicorn``).
+* :mod:`.sampling` -- a step's token choice for rows with different OpenAI sampling options.
+* :mod:`.chat` -- a model's chat template, rendered as transformers renders it (needs ``jinja2``).
+* :mod:`.protocol`, :mod:`.server` -- ``/v1/completions`` and ``/v1/chat/completions`` validation and
+  the FastAPI app (needs ``fastapi`` and ``uvicorn``; ``/metrics`` needs ``prometheus-client``).
 * :mod:`.bench` -- replay of PAT's conversation trace against a server (needs ``httpx``).
 """
 from treeattn.serve.radix import PrefixCache

@@ -25,16 +25,19 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from treeattn import KVPoolOutOfMemory
+from treeattn.engine.beam import BeamSearchController
 from treeattn.engine.planning import upload
-from treeattn.engine.sampling import Sampler
+from treeattn.engine.sampling import sample_streams
 from treeattn.serve.radix import PrefixCache
+from treeattn.serve.sampling import RowOptions, choose_tokens
 
-__all__ = ["SamplingParams", "Request", "Scheduler", "QueueFull"]
+__all__ = ["SamplingParams", "Request", "Scheduler", "QueueFull", "Event"]
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +46,22 @@ class QueueFull(RuntimeError):
     """The scheduler's waiting queue is at its limit."""
 
 
+class _Cancelled(Exception):
+    """A beam search whose client left (or the scheduler stops) ends between two steps."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a request's ``n`` choices are generated (``temperature == 0``: greedy)."""
+    """How a request's ``n`` choices are generated (``temperature == 0``: greedy).
+
+    ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (``(token, bias)`` pairs) have
+    OpenAI's meaning over the choice's generated tokens. A choice stops at the model's EOS tokens
+    (unless ``ignore_eos``) or one of ``stop_token_ids`` (neither is part of the output), or once
+    its decoded text contains one of ``stop`` (the token that completed it is). ``logprobs``: the
+    number of alternatives to report per token (0: only the chosen one's), None: none.
+    ``use_beam_search``: one beam search of ``beam_width`` beams returning the ``n`` best
+    (:class:`~treeattn.engine.beam.BeamSearchController`; greedy, no penalties).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -53,29 +69,44 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple = ()
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    logprobs: int | None = None
+    use_beam_search: bool = False
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
-    def sampler(self) -> Sampler | None:
-        """The request's own seeded sampler, or None for greedy decoding."""
-        if self.temperature == 0:
-            return None
-        seed = self.seed if self.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
-        return Sampler(self.temperature, top_p=self.top_p, seed=seed)
+
+class Event(NamedTuple):
+    """What one step did to one choice: its new token (None: it stopped at an EOS or stop token),
+    the finish reason once it ended, and with ``logprobs`` the token's log-probability and the
+    ``(token, logprob)`` alternatives."""
+
+    choice: int
+    token: int | None
+    finish: str | None
+    logprob: float | None = None
+    top: tuple = ()
 
 
 @dataclass
 class Request:
     """A request inside the scheduler.
 
-    ``emit(list of (choice, token or None, finish_reason or None))`` is called from the engine
-    thread after every step that concerns the request; ``emit(message)`` with a string reports a
-    failure (the request is gone).
+    ``emit(list of Event)`` is called from the engine thread after every step that concerns the
+    request; ``emit(message)`` with a string reports a failure (the request is gone).
     """
 
     id: int
     prompt: list
     params: SamplingParams
     emit: object
-    sampler: Sampler | None = None
+    seed: int = 0
+    streams: list = field(default_factory=list)        # random stream per choice
     outputs: list = field(default_factory=list)       # generated token ids per choice
     finish: list = field(default_factory=list)        # finish reason per choice (None: running)
     leaves: dict = field(default_factory=dict)        # choice -> engine leaf node
@@ -103,7 +134,9 @@ class Scheduler:
         self.cache = PrefixCache(engine, block_tokens)
         self.max_queue, self.max_batch = int(max_queue), int(max_batch)
         self.eos = frozenset(engine.model.config.eos_token_ids)
+        self.tokenizer = engine.model.tokenizer    # stop strings are matched on decoded text
         self._ids = itertools.count()
+        self._cancelled: set = set()          # aborted ids a running beam search checks each step
         self._cv = threading.Condition()
         self._calls: deque = deque()          # callables run on the engine thread
         self._queued = 0                      # submitted, not yet admitted or dropped
@@ -159,6 +192,20 @@ class Scheduler:
         """Pages one request may use (the pool less a few for the engine's own needs)."""
         return self.engine.pool.num_pages - 2
 
+    def max_request_len(self) -> int:
+        """The longest prompt plus ``max_tokens`` that one choice alone fits in the pool, however
+        it is split (what ``/v1/models`` advertises as ``max_model_len``)."""
+        def fits(total: int) -> bool:
+            p = np.arange(1, total)
+            ps, blk = self.engine.pool.page_size, self.cache.block
+            need = -(-p // ps) + -(-p // blk) + (-(-(total - p) // ps) + 2)   # pages_needed, vectorised
+            return bool(need.max() <= self.capacity_pages)
+        lo, hi = 1, self.engine.pool.num_slots + 1     # fits(lo); not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
+
     def submit(self, prompt, params: SamplingParams, emit) -> int:
         """Queue a request (token ids); returns its id. Raises :class:`QueueFull`."""
         with self._cv:
@@ -171,7 +218,10 @@ class Scheduler:
         return req.id
 
     def abort(self, request_id: int) -> None:
-        """Drop a request (client gone): waiting, it leaves the queue; running, its KV is freed."""
+        """Drop a request (client gone): waiting, it leaves the queue; running, its KV is freed
+        before the next step."""
+        with self._cv:
+            self._cancelled.add(request_id)
         self._post(lambda: self._abort(request_id))
 
     def call(self, fn, timeout: float = 30.0):
@@ -225,10 +275,7 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     return
-                calls = list(self._calls)
-                self._calls.clear()
-            for fn in calls:
-                fn()
+            self._run_calls()
             if not self._running:         # no decode in flight: the next interval starts now
                 self._synced = time.perf_counter()
             try:
@@ -240,12 +287,21 @@ class Scheduler:
                 for req in list(self._running):
                     self._fail(req, f"engine error: {e}")
 
+    def _run_calls(self) -> None:
+        with self._cv:
+            calls = list(self._calls)
+            self._calls.clear()
+        for fn in calls:
+            fn()
+
     def _dequeue(self, req: Request) -> None:
         self._waiting.remove(req)
         with self._cv:
             self._queued -= 1
 
     def _abort(self, request_id: int) -> None:
+        with self._cv:
+            self._cancelled.discard(request_id)
         for req in list(self._waiting):
             if req.id == request_id:
                 self._dequeue(req)
@@ -284,9 +340,17 @@ class Scheduler:
         while self._waiting:
             req = self._waiting[0]
             if not req.outputs:
-                req.outputs = [[] for _ in range(req.params.n)]
-                req.finish = [None] * req.params.n
-                req.sampler = req.params.sampler()
+                p = req.params
+                req.outputs = [[] for _ in range(p.n)]
+                req.finish = [None] * p.n
+                req.seed = p.seed if p.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+                req.streams = sample_streams(req.seed, req.prompt, p.n).tolist()
+            if req.params.use_beam_search:
+                if self._running:           # a beam search runs alone, once the batch drained
+                    return
+                self._dequeue(req)
+                self._beam(req)
+                continue
             live = [i for i, f in enumerate(req.finish) if f is None]
             if self._running and self._batch_size() + len(live) > self.max_batch:
                 return
@@ -333,6 +397,79 @@ class Scheduler:
             self.preemptions += 1
             log.info("preempted request %d (%d pages free)", req.id, self.engine.pool.num_free_pages)
 
+    def _beam(self, req: Request) -> None:
+        """Run ``req``'s beam search to its end on the idle engine (its own prompt root, outside
+        the prefix cache), then emit every returned sequence at once."""
+        p, eng = req.params, self.engine
+        if not self._ensure_free(self.pages_needed(len(req.prompt), p.max_tokens, p.beam_width)):
+            req.emit("the beam search does not fit in the KV cache")
+            return
+        ctl = BeamSearchController(req.prompt, num_beams=p.beam_width, max_new_tokens=p.max_tokens,
+                                   length_penalty=p.length_penalty, early_stopping=p.early_stopping,
+                                   eos_token_ids=() if p.ignore_eos else sorted(self.eos | set(p.stop_token_ids)),
+                                   num_return_sequences=p.n)
+
+        def check(step, stats) -> None:
+            with self._cv:
+                if self._stop or req.id in self._cancelled:
+                    raise _Cancelled
+            self._run_calls()           # submissions, aborts and stats() wait for no beam search
+        try:
+            out = eng.run(ctl, on_step=check)
+        except _Cancelled:
+            log.info("beam search %d cancelled", req.id)
+            return
+        except KVPoolOutOfMemory:
+            req.emit("the beam search does not fit in the KV cache")
+            return
+        finally:
+            if getattr(ctl, "nodes", None):
+                root = ctl.nodes[0] if len(ctl.nodes) == 1 else eng.tree.parent(ctl.nodes[0])
+                if root in eng.tree:
+                    eng.tree.prune(root, cascade=False)
+            self._fold_stats()
+        self.steps += 1
+        events = []
+        for i, seq in enumerate(out["sequences"]):
+            gen = seq[len(req.prompt):]
+            stopped = bool(gen) and gen[-1] in ctl.eos
+            if stopped:
+                gen = gen[:-1]
+            req.outputs[i] = gen
+            events += [Event(i, t, None) for t in gen[:-1]]
+            last = gen[-1] if gen else None
+            events.append(Event(i, last, "stop" if stopped else "length"))
+        req.emit(events)
+
+    def _options(self, order: list) -> RowOptions:
+        """The sampling options of the step's rows ``(request, choice)``."""
+        n = len(order)
+        f64 = np.zeros
+        temp, top_p, pres, freq = f64(n), f64(n), f64(n), f64(n)
+        seeds, streams, steps = (np.zeros(n, dtype=np.int64) for _ in range(3))
+        outputs, rows, cols, vals = [], [], [], []
+        top, want = 0, False
+        for r, (req, i) in enumerate(order):
+            p = req.params
+            temp[r], top_p[r], pres[r], freq[r] = p.temperature, p.top_p, p.presence_penalty, p.frequency_penalty
+            seeds[r], streams[r], steps[r] = req.seed % 2**32, req.streams[i], len(req.outputs[i])
+            outputs.append(req.outputs[i])
+            for tok, b in p.logit_bias:
+                rows.append(r)
+                cols.append(tok)
+                vals.append(b)
+            if p.logprobs is not None:
+                want, top = True, max(top, p.logprobs)
+        bias = (np.asarray(rows, dtype=np.int64), np.asarray(cols, dtype=np.int64), np.asarray(vals, dtype=np.float64))
+        return RowOptions(temp, top_p, seeds, streams, steps, pres, freq, outputs, bias, top, want)
+
+    def _hits_stop(self, req: Request, i: int) -> bool:
+        """Whether choice ``i``'s text now contains one of its stop strings; only the tail that can
+        hold a new match is decoded (a character takes at most 4 byte-level tokens)."""
+        longest = max(len(x) for x in req.params.stop)
+        tail = self.tokenizer.decode(req.outputs[i][-(4 * longest + 4):])
+        return any(x in tail for x in req.params.stop)
+
     def _step(self) -> None:
         eng = self.engine
         self._preempt_for(self._batch_size())
@@ -340,28 +477,30 @@ class Scheduler:
         self.decoded += len(order)
         self.max_batch_seen = max(self.max_batch_seen, len(order))
         leaves = [req.leaves[i] for req, i in order]
-        logits = eng.logits_for(leaves)
-        tokens = logits.argmax(dim=-1)
-        at = 0
-        for req in self._running:
-            k = len(req.leaves)
-            if req.sampler is not None:
-                tokens[at: at + k] = req.sampler(logits[at: at + k])
-            at += k
-        host = tokens.tolist()            # waits for the device
+        opt = self._options(order)
+        choice = choose_tokens(eng.logits_for(leaves), opt)
+        host = choice.tokens.tolist()            # waits for the device
         self._count_interval()
+        lps = choice.logprobs.tolist() if choice.logprobs is not None else None
+        tops = (choice.top_ids.tolist(), choice.top_values.tolist()) if choice.top_ids is not None else None
         cont, cont_tok, events = [], [], {}
-        for (req, i), tok in zip(order, host):
+        for r, ((req, i), tok) in enumerate(zip(order, host)):
             p = req.params
             ev = events.setdefault(req.id, (req, []))[1]
-            if tok in self.eos and not p.ignore_eos:
+            lp, top = None, ()
+            if p.logprobs is not None:
+                lp = lps[r]
+                top = tuple(zip(tops[0][r][: p.logprobs], tops[1][r][: p.logprobs])) if p.logprobs else ()
+            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 req.finish[i] = "stop"
-                ev.append((i, None, "stop"))
+                ev.append(Event(i, None, "stop", lp, top))
             else:
                 req.outputs[i].append(tok)
-                done = len(req.outputs[i]) >= p.max_tokens
-                req.finish[i] = "length" if done else None
-                ev.append((i, tok, req.finish[i]))
+                if p.stop and self._hits_stop(req, i):
+                    req.finish[i] = "stop"
+                else:
+                    req.finish[i] = "length" if len(req.outputs[i]) >= p.max_tokens else None
+                ev.append(Event(i, tok, req.finish[i], lp, top))
             if req.finish[i] is None:
                 cont.append((req, i))
                 cont_tok.append(tok)
@@ -377,8 +516,12 @@ class Scheduler:
             eng.decode([req.leaves[i] for req, i in cont], upload(np.asarray(cont_tok), eng.device),
                        horizon=horizon)
         self.steps += 1
-        # the engine appends one StepStats per step: fold them into counters so that a long-running
-        # server does not accumulate them
+        self._fold_stats()
+
+    def _fold_stats(self) -> None:
+        """Fold the engine's per-step StepStats into counters, so that a long-running server does
+        not accumulate them."""
+        eng = self.engine
         for st in eng.stats:
             self.plan_ms += st.plan_ms
             if st.strategy:
