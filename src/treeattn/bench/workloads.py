@@ -161,23 +161,7 @@ def _kv_bytes_per_token(engine) -> int:
 
 
 def _weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for t in _tensors(model.weights):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _tensors(x)
-    elif hasattr(obj, "__dict__"):
-        for x in vars(obj).values():
-            yield from _tensors(x)
+    return int(model.config.num_parameters()) * torch.finfo(model.dtype).bits // 8
 
 
 def _run_wall(engine, wl: Workload, warmup: int) -> dict:
@@ -256,9 +240,9 @@ def _hf_model(config, device, dtype):
 def _run_hf(hf, wl: Workload, vocab: int, device) -> dict:
     args = wl.hf_args()
     prompts = torch.tensor([random_prompt(wl.prompt_len, vocab, i) for i in range(wl.prompts)], device=device)
-    kw = dict(max_new_tokens=wl.new_tokens, min_new_tokens=wl.new_tokens, pad_token_id=0, **args)
+    kw = dict(max_new_tokens=wl.new_tokens, pad_token_id=0, **args)   # (no EOS: every run is full length)
     with torch.no_grad():
-        hf.generate(prompts, **(kw | dict(max_new_tokens=2, min_new_tokens=2)))     # warm-up
+        hf.generate(prompts, **(kw | dict(max_new_tokens=2)))     # warm-up
         torch.cuda.synchronize()
         t = time.perf_counter()
         hf.generate(prompts, **kw)
