@@ -86,7 +86,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     ``tma``: the plans may take :func:`~treeattn.plan.lower.addressing.tma_launches`
     (:func:`~treeattn.plan.lower.addressing.tma_loads`).
     ``merge_last``: the plans' last launch may merge (:attr:`~treeattn.plan.format.Plan.merge_last`;
-    :attr:`~treeattn.plan.select.cost.CostModel.merge_last_min_group`); without it, no merging variant.
+    :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`); without it, no merging variant.
     ``workers``: on a CUDA device, first compile in this many worker processes (each launches
     every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
     this process then loads them from there). Each holds a CUDA context while it runs.

@@ -11,6 +11,7 @@ import torch
 
 from treeattn import STRATEGIES, DecodingTree, TreeAttention, reference_attention
 from treeattn.bench import kernels
+from treeattn.cli import calibrate
 from treeattn.cli.engine import add_bench_e2e_parser, add_demo_parser, add_run_parser
 from treeattn.cli.serve import add_bench_serve_parser, add_serve_parser
 from treeattn.tree import tree_from_spec, tree_from_tot_template
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     kernels.add_parser(bench)
     add_bench_e2e_parser(bench)
     add_bench_serve_parser(bench)
+    calibrate.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     return args.func(args)

@@ -193,7 +193,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`) gives the SM
     count that sizes the launches' pipelines (:func:`~treeattn.plan.lower.addressing.contig_launches`),
     decides :attr:`Plan.tall_first` and whether the last launch may merge
-    (:attr:`CostModel.merge_last_min_group`).
+    (the profile's :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`).
     """
     cost = cost or CostModel()
     topo = tree.topology
@@ -351,16 +351,16 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                                             tall_first=True))
     gather_launches = tuple(launches)
     launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
-                               heads.num_kv_heads, cost.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
+                               heads.num_kv_heads, cost.profile.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
                                unit_tokens=work_kv_end - work_kv_start)
     if tma_loads(heads, cost):
-        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms)
+        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.profile.num_sms)
     tall_first = cost.tall_first(longest_s)
     if tall_first and cost.pdl:
-        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms,
+        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.profile.num_sms,
                                    group=heads.group, elem_bytes=heads.elem_bytes,
-                                   share_gathered=cost.persist_share_gathered, share_tma=cost.persist_share_tma,
-                                   min_leaf_entries=cost.persist_min_leaf_entries)
+                                   share_gathered=cost.profile.persist_share_gathered, share_tma=cost.profile.persist_share_tma,
+                                   min_leaf_entries=cost.profile.persist_min_leaf_entries)
     launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
@@ -415,5 +415,5 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       mask_tails=tail.searchsorted(work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
-                      gather_launches=gather_launches, num_sms=cost.num_sms, tree=tree),
+                      gather_launches=gather_launches, num_sms=cost.profile.num_sms, tree=tree),
     )
