@@ -19,13 +19,10 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.plan.format import masked_entries, split_masked_launches, unit_mask_terms
+from treeattn.plan.lower.tensors import plan_to_device
 from treeattn.plan.lower.update import update_plan
 
 __all__ = ["StepPlanner", "upload"]
-
-#: int32 elements between the starts of a device plan's tensors (64 bytes)
-_ALIGN = 16
-
 
 def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """``arr`` as a tensor on ``device``; CUDA copies go through pinned memory without blocking."""
@@ -33,10 +30,6 @@ def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Te
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def _tensor_fields(plan: Plan) -> list:
-    return [f.name for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), torch.Tensor)]
 
 
 class StepPlanner:
@@ -77,7 +70,7 @@ class StepPlanner:
         # a speculative verify loop keeps its nodes and queries while the prefix grows from a few
         # tokens (sequence wins) to thousands (prefix-aware plans win): decide again per octave.
         # A serving batch changes its requests every few steps: deciding again each time cost
-        # `auto` ~1 ms a step over `sequence` at 3 req/s (results/h200_serve_sweep_e31b4c4.json)
+        # `auto` ~1 ms a step over `sequence` at 3 req/s (measured on an H200)
         sharing = int(tree.visible_tokens.sum()) * 4 // max(1, int(tree.num_tokens))
         return (int(tree.num_nodes).bit_length(), int(tree.num_queries).bit_length(),
                 int(tree.num_tokens).bit_length(), sharing.bit_length())
@@ -104,7 +97,7 @@ class StepPlanner:
         patched = self._update(tree, key) if first_prefix is None else None
         self.last_patched = patched is not None
         if patched is not None:
-            plan = self._to_device(patched)
+            plan = plan_to_device(patched, self.device)
             self.last_ms = (time.perf_counter() - t0) * 1e3
             return plan
         self._last = None
@@ -117,7 +110,7 @@ class StepPlanner:
             plan = self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
         else:
             self._last = (plan, key, self.auto_refresh - 1)
-        plan = self._to_device(plan)
+        plan = plan_to_device(plan, self.device)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
 
@@ -200,19 +193,3 @@ class StepPlanner:
         rec[:, 0], rec[:, 1], rec[:, 2] = topo.tin[node], topo.tout[node], pos - np.arange(pos.size)
         return dataclasses.replace(plan, tree_mask=torch.from_numpy(rec),
                                    query_pos=i32(topo.tin[tree.query_nodes]), **common)
-
-    def _to_device(self, plan: Plan) -> Plan:
-        if self.device.type == "cpu":
-            return plan
-        names = _tensor_fields(plan)
-        parts = [getattr(plan, n).reshape(-1).to(torch.int32) for n in names]
-        # every tensor starts 64-byte aligned, like plan.py's buffers: Triton specialises kernels
-        # on pointer alignment, and a plan-dependent alignment would compile new variants mid-run
-        starts = np.cumsum([0] + [-(-p.numel() // _ALIGN) * _ALIGN for p in parts])
-        host = torch.empty(int(starts[-1]), dtype=torch.int32, pin_memory=True)
-        for p, at in zip(parts, starts.tolist()):
-            host[at: at + p.numel()] = p
-        dev = host.to(self.device, non_blocking=True)
-        views = {n: dev[at: at + p.numel()].view(getattr(plan, n).shape)
-                 for n, p, at in zip(names, parts, starts.tolist())}
-        return dataclasses.replace(plan, **views)

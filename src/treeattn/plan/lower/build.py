@@ -4,7 +4,6 @@ the lazy update patches)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from treeattn.plan.lower.addressing import (
     contig_launches,
@@ -17,6 +16,7 @@ from treeattn.plan.lower.addressing import (
 from treeattn.plan.select.cost import CostModel
 from treeattn.plan.strategies.items import WorkItems, _indptr, group_order
 from treeattn.plan.lower.merge_config import merge_launch
+from treeattn.plan.lower.tensors import pack_int32
 from treeattn.plan.format import (
     HEADS_INNER_MIN_TOKENS,
     SHORT_ITEM_TOKENS,
@@ -57,39 +57,12 @@ def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -
     return csum[end] - csum[end - nseg]
 
 
-#: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
-#: keeping the pointer alignment the kernels are specialised for.
-_ALIGN = 16
 #: Above every KV position and key (np.iinfo is slow to call).
 _NEVER = int(np.iinfo(np.int64).max)
 #: Mean segment length from which the KV slot list is copied segment by segment.
 _SLICE_MIN_TOKENS = 256
 #: One tree-mask record (four int32) as a single numpy item.
 _RECORD = np.dtype((np.void, 16))
-
-
-def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
-    """int32 tensors on ``device`` for the arrays (``None`` stays ``None``; any shape) and their
-    int32 host copies, which CPU tensors share; other devices get them in one copy of one buffer."""
-    device = torch.device(device)
-    tensors = dict.fromkeys(arrays)
-    if device.type == "cpu":
-        host = {k: np.ascontiguousarray(a, dtype=np.int32) for k, a in arrays.items() if a is not None}
-        tensors.update((k, torch.from_numpy(h)) for k, h in host.items())
-        return tensors, host
-    spans, at = {}, 0
-    for k, a in arrays.items():
-        if a is not None:
-            spans[k] = (at, at + a.size)
-            at += -(-a.size // _ALIGN) * _ALIGN
-    buf = np.empty(at, dtype=np.int32)
-    host = {}
-    for k, (lo, hi) in spans.items():
-        host[k] = buf[lo:hi].reshape(arrays[k].shape)
-        host[k][...] = arrays[k]
-    dev = torch.from_numpy(buf).to(device)
-    tensors.update((k, dev[lo:hi].view(host[k].shape)) for k, (lo, hi) in spans.items())
-    return tensors, host
 
 
 def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
@@ -376,7 +349,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
-    t, h = _to_tensors({
+    t, h = pack_int32({
         "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
         "work_mask_start": work_mask_start,
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
