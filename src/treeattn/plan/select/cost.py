@@ -69,8 +69,7 @@ class CostModel:
     target_programs: int = 1056
     min_split_tokens: int = 256
     #: concurrent programs per SM a fair share of the work is measured against (greedy's balance
-    #: split): ~1.5 was fastest for Medusa trees over 1K-3K-token contexts
-    #: (benchmarks/sweep_tiles.py)
+    #: split): ~1.5 was fastest for Medusa trees over 1K-3K-token contexts (H200)
     balance_programs_per_sm: float = 1.5
     #: DeFT's KV chunk / block size
     deft_chunk_tokens: int = 128

@@ -263,8 +263,8 @@ def fit_rates(profile: DeviceProfile, cases: list, *, span: float = 4.0) -> tupl
     center, half = (0.0, 0.0), float(np.log(span))
     for _ in range(4):
         grid = np.linspace(-half, half, 9)
-        best = min(((error(center[0] + a, center[1] + b), center[0] + a, center[1] + b)
-                    for a in grid for b in grid))
+        best = min((error(center[0] + a, center[1] + b), center[0] + a, center[1] + b)
+                   for a in grid for b in grid)
         center, half = best[1:], half / 4
     memory, compute = (float(np.exp(x)) for x in center)
     before = error(0.0, 0.0)
