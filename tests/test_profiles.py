@@ -69,7 +69,7 @@ def test_profile_path_sanitises_the_device_name(monkeypatch, tmp_path):
     assert profile_path("a/b").parent.parent.parent.name == ".cache" and profile_path("a/b").name == "a_b.json"
 
 
-def _fake_cuda(monkeypatch, name, sms=132, smem=232448, l2=50 * 2**20):
+def _fake_cuda(monkeypatch, name, sms=132, smem=232448, l2=60 * 2**20):
     """profile_for on a pretend CUDA device with these properties."""
     props = SimpleNamespace(name=name, multi_processor_count=sms, shared_memory_per_block_optin=smem,
                             L2_cache_size=l2)
@@ -81,7 +81,7 @@ def test_profile_selection_by_name_file_and_env(monkeypatch, tmp_path):
     monkeypatch.delenv("TREEATTN_PROFILE", raising=False)
     _fake_cuda(monkeypatch, "NVIDIA H200")
     assert profile_for("cuda:0") == H200
-    _fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3")
+    _fake_cuda(monkeypatch, "NVIDIA H100 80GB HBM3", l2=50 * 2**20)
     assert profile_for("cuda:0") == H100
     # an unknown device: the H200's constants with its own facts
     _fake_cuda(monkeypatch, "Future GPU", sms=200, smem=300_000, l2=96 * 2**20)

@@ -37,9 +37,9 @@ class DeviceProfile:
     name: str = "NVIDIA H200"
     # -- device facts
     num_sms: int = 132
-    #: shared memory one block may opt in to, and the L2 cache, in bytes
+    #: shared memory one block may opt in to, and the L2 cache, in bytes (as CUDA reports them)
     smem_per_block: int = 232448
-    l2_bytes: int = 50 * 2**20
+    l2_bytes: int = 60 * 2**20
     #: bytes per second the whole GPU streams from HBM (measured copy bandwidth; 4.8e12 nominal)
     bandwidth: float = 4.25e12
     # -- attention kernel rates
@@ -144,8 +144,8 @@ class DeviceProfile:
 #: NVIDIA H200 SXM (141 GB): the constants above.
 H200 = DeviceProfile()
 #: NVIDIA H100 SXM (80 GB). No constant was fitted on it separately: it shares the H200 fit, and
-#: only the device facts differ (3.35 TB/s nominal HBM bandwidth).
-H100 = DeviceProfile(name="NVIDIA H100 80GB HBM3", bandwidth=3.35e12)
+#: only the device facts differ (3.35 TB/s nominal HBM bandwidth, 50 MB of L2).
+H100 = DeviceProfile(name="NVIDIA H100 80GB HBM3", bandwidth=3.35e12, l2_bytes=50 * 2**20)
 BUILTIN_PROFILES = (H200, H100)
 
 def profile_path(device_name: str) -> Path:
