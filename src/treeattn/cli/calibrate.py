@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import sys
 
 import torch
+import triton
+import triton.language as tl
 
 #: (kernel-suite tree, query heads, KV heads, strategy): bandwidth-bound to compute-bound plans
 CASES = (("1,16_4096,32", 32, 32, "node"), ("1,64_8192,32", 32, 32, "sequence"),
@@ -56,8 +59,6 @@ def calibrate_command(args) -> int:
 
 
 def _fail(message: str) -> int:
-    import sys
-
     print(f"treeattn calibrate: error: {message}", file=sys.stderr)
     return 2
 
@@ -88,8 +89,6 @@ def _time_case(spec: str, hq: int, hkv: int, strategy: str, base) -> tuple:
     """Graph-replay seconds of one fp16 plan of ``spec`` (page size 1) at ``hq``/``hkv`` heads
     (head_dim 128) in the wrapper's default launch mode, and ``predict(profile)``: the cost model's
     seconds for the same work items under another profile."""
-    import triton
-
     from treeattn import TreeAttention
     from treeattn.bench.timing import capture
     from treeattn.plan import PLANNERS, HeadConfig, make_plan
@@ -114,23 +113,21 @@ def _time_case(spec: str, hq: int, hkv: int, strategy: str, base) -> tuple:
     return seconds, predict
 
 
+@triton.jit
+def _empty_kernel(x):
+    tl.debug_barrier()
+
+
 def _launch_floor(launches: int = 100) -> float:
     """Seconds an empty kernel takes a launch, replayed in a CUDA graph of ``launches`` of them
     (no host overhead: the GPU's own floor between dependent kernels)."""
-    import triton
-    import triton.language as tl
-
     from treeattn.bench.timing import capture_graph
-
-    @triton.jit
-    def empty(x):
-        tl.debug_barrier()
 
     x = torch.empty(1, device="cuda")
 
     def launch_all():
         for _ in range(launches):
-            empty[(1,)](x)
+            _empty_kernel[(1,)](x)
 
     graph = capture_graph(launch_all)
     return triton.testing.do_bench(graph.replay, return_mode="median") * 1e-3 / launches
