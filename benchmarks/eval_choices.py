@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from treeattn.plan import CostModel, HeadConfig, make_plan
+from treeattn.plan.select.profiles import H200
 from treeattn.tree import tree_from_spec
 
 HIT = 1.05
@@ -48,11 +49,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="bench kernels JSON files timing every strategy")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a CostModel constant to change (repeatable)")
+                    help="a DeviceProfile constant to change (repeatable)")
     args = ap.parse_args()
     rows = [r for path in args.results for r in json.load(open(path))["rows"]]
     changes = {k: float(v) for k, v in (s.split("=", 1) for s in args.set)}
-    cost = dataclasses.replace(CostModel(tma=True, pdl=True, side_streams=True), **changes)
+    profile = dataclasses.replace(H200, **changes)
+    cost = CostModel(tma=True, pdl=True, side_streams=True, profile=profile)
     choices, errors = evaluate(rows, cost)
     for tree, hq, hkv, strategy, ratio in choices:
         if ratio > HIT:

@@ -10,6 +10,7 @@ from helpers import random_tree
 
 from treeattn import TreeAttention
 from treeattn.plan import PLANNERS, CostModel, HeadConfig, build_plan, make_plan
+from treeattn.plan.select.profiles import H200
 from treeattn.plan.select.auto import plan_auto
 from treeattn.plan.select.estimate import estimate_items
 from treeattn.plan.select.launches import launch_features
@@ -46,7 +47,7 @@ def test_estimate_grows_with_bytes():
 def test_long_lone_item_is_latency_bound():
     cm = CostModel()
     t = cm.breakdown(np.array([4096]), np.array([1]), HeadConfig(8, 1, 128))
-    assert t["attention"] >= 4096 * 512 / cm.program_bandwidth
+    assert t["attention"] >= 4096 * 512 / cm.profile.program_bandwidth
     # the same tokens cut into 64 items (one program each) run side by side
     split = cm.breakdown(np.full(64, 64), np.ones(64, np.int64), HeadConfig(8, 1, 128))
     assert split["attention"] < t["attention"] / 4
@@ -103,7 +104,7 @@ def test_tall_first_when_a_program_is_long():
     one_launch = make_plan(tree_from_spec("1,10_4000,400"), heads, strategy="sequence", cost=cm)
     assert len(one_launch.launches) == 1 and not one_launch.tall_first
     never = make_plan(tree_from_spec("1,2,64_1024,256,256"), heads, strategy="node",
-                      cost=CostModel(tall_first_s=float("inf")))
+                      cost=CostModel(profile=dataclasses.replace(H200, tall_first_s=float("inf"))))
     assert not never.tall_first and never.launches == long_root.launches
     # launches that run one after another (no side streams: the engine) keep their order, and
     # the model rates them one after another
@@ -187,10 +188,10 @@ def test_direct_saving_applies_to_direct_plans_only(pdl):
     items = {s: p(tree, H200_HEADS, CostModel())[0] for s, p in PLANNERS.items()}
     whole = PLANNERS["sequence"].variants(tree, H200_HEADS, CostModel())[1][0]
     field = "direct_saving_pdl_s" if pdl else "direct_saving_s"
-    saving = getattr(CostModel(), field)
-    assert 0 < saving < CostModel().fixed_overhead_s  # estimates stay positive
+    saving = getattr(H200, field)
+    assert 0 < saving < H200.fixed_overhead_s  # estimates stay positive
     for it in [*items.values(), whole]:
-        a, b = (estimate_items(tree, it, H200_HEADS, CostModel(pdl=pdl, **{field: x})) for x in (0.0, saving))
+        a, b = (estimate_items(tree, it, H200_HEADS, CostModel(pdl=pdl, profile=dataclasses.replace(H200, **{field: x}))) for x in (0.0, saving))
         assert b["total"] == pytest.approx(a["total"] - saving * (a["merge"] == 0), rel=1e-12)
     assert estimate_items(tree, whole, H200_HEADS, CostModel())["merge"] == 0
 
@@ -204,7 +205,7 @@ def test_pdl_plans_take_two_launches_over_a_slower_direct_plan(spec, fastest):
     cost = CostModel(tma=True, pdl=True, side_streams=True)
     tree = tree_from_spec(spec)
     assert make_plan(tree, H200_HEADS, strategy="auto", cost=cost).strategy == fastest
-    old = dataclasses.replace(cost, direct_saving_pdl_s=6e-6)
+    old = dataclasses.replace(cost, profile=dataclasses.replace(H200, direct_saving_pdl_s=6e-6))
     assert make_plan(tree, H200_HEADS, strategy="auto", cost=old).strategy == "paths"
 
 
@@ -225,8 +226,8 @@ def test_pdl_rates_few_queries_merges_at_the_tile_step():
     length, nq = np.full(14, 200), np.full(14, 10)  # 14 chunks, each read by the same 10 queries
     merge = {pdl: CostModel(pdl=pdl).breakdown(length, nq, heads, merge_rows_max=14, num_queries=10)["merge"]
              for pdl in (False, True)}
-    assert merge[False] == pytest.approx(14 * CostModel.merge_step_s)
-    assert merge[True] == pytest.approx(14 * CostModel.merge_tile_step_s)
+    assert merge[False] == pytest.approx(14 * H200.merge_step_s)
+    assert merge[True] == pytest.approx(14 * H200.merge_tile_step_s)
     many = np.full(14, 1024)  # 1024 queries: the row loop, whatever pdl says
     assert (CostModel(pdl=True).breakdown(length, many, heads, merge_rows_max=14, num_queries=1024)["merge"]
             == CostModel(pdl=False).breakdown(length, many, heads, merge_rows_max=14, num_queries=1024)["merge"])

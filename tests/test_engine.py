@@ -145,21 +145,6 @@ def test_decode_windows_without_callbacks_match(tiny, model):
     assert sum(s.plan_ms > 0 for s in eng.stats) == 3      # 20 steps in windows of 8
 
 
-def test_measured_auto_switching_strategies_matches_transformers(tiny, model):
-    """Tuning plans decode windows with different strategies (trial arms, then each shape's
-    winner): the leaves still match transformers."""
-    from treeattn.engine.tuning import HostTimer, StrategyTuner
-
-    hf, _ = tiny
-    eng = TreeEngine(model, strategy="auto", page_size=4, kv_tokens=4096, tune=True)
-    eng.planner.tuner = StrategyTuner(timer=HostTimer(), margin=10.0, samples=1)
-    ctl = SamplingController([list(range(10, 47)), [7, 8, 9]], n=2, sampler=Sampler(seed=3),
-                             max_new_tokens=30, callbacks=_branch_and_prune())
-    check_leaves(hf, eng.run(ctl)["leaves"])
-    assert eng.planner.tuner.trial_plans > 0
-    assert len({s.strategy for s in eng.stats if s.kind == "decode"}) >= 2
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path (CPU tensors); on a GPU host "
                     "test_cuda_engine_matches_transformers runs the kernels")
 def test_triton_interpreter_decode(tiny, model):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from helpers import TOL, forests, paged_case, paged_copy, random_tree, rel_l2
 from treeattn import STRATEGIES, TreeAttention, reference_attention
 from treeattn.plan import CostModel
+from treeattn.plan.select.profiles import H200
 from treeattn.tree import tree_from_medusa, tree_from_spec
 
 TREES = {
@@ -233,7 +234,7 @@ def test_last_launch_merges_like_the_merge_launch(rng, device, strategy, spec, t
     o_ref, lse_ref = reference_attention(q.double(), kc.double(), vc.double(), paged)
     q, kc, vc = (t.to(device) for t in (q, kc, vc))
     w = TreeAttention(device=device, backend="triton", streams=0, cost=CostModel(
-        side_streams=tall_first, tall_first_s=0.0, merge_last_min_group=1))
+        side_streams=tall_first, profile=dataclasses.replace(H200, tall_first_s=0.0, merge_last_min_group=1)))
     plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype, strategy=strategy)
     assert plan.merge_last and plan.tall_first == tall_first and plan.merge_q_indices.numel() > 0
     w._workspace.fill_(float("nan"))  # (the last launch writes no partial row the output needs)
@@ -263,7 +264,7 @@ def test_int64_offsets_match_int32_ones(rng, device, monkeypatch, strategy, spec
     o_ref, _ = reference_attention(q.double(), kc.double(), vc.double(), paged)
     q, kc, vc = (t.to(device) for t in (q, kc, vc))
     w = TreeAttention(device=device, backend="triton", streams=0, cost=CostModel(
-        side_streams=last, tall_first_s=0.0, merge_last_min_group=1 if last else 64))
+        side_streams=last, profile=dataclasses.replace(H200, tall_first_s=0.0, merge_last_min_group=1 if last else 64)))
     plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
     assert plan.merge_last == last
     launched = []  # (WIDE of every attention launch)
@@ -293,7 +294,8 @@ def test_last_launch_merge_on_one_stream_matches_side_streams(spec):
     q, k, v = (torch.randn(n, h, 128, device="cuda", dtype=torch.float16)
                for n, h in ((tree.num_queries, 32), (tree.num_tokens, 8), (tree.num_tokens, 8)))
     mode = TreeAttention(device="cuda").cost  # the default launch mode's, folding at any GQA group
-    one = TreeAttention(device="cuda", cost=dataclasses.replace(mode, merge_last_min_group=1))
+    one = TreeAttention(device="cuda", cost=dataclasses.replace(
+        mode, profile=dataclasses.replace(mode.profile, merge_last_min_group=1)))
     side = TreeAttention(device="cuda", streams=3, pdl=False)
     plan = one.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=128, strategy="node")
     assert plan.merge_last

@@ -24,6 +24,7 @@ from treeattn.plan.lower.addressing import (
     persistent_tall,
 )
 from treeattn.plan.select.cost import CostModel
+from treeattn.plan.select.profiles import H200
 from treeattn.plan.format import Launch
 from treeattn.reference import reference_attention
 from treeattn.tree import DecodingTree
@@ -59,7 +60,8 @@ def test_persistent_last_launch_merges(rng, device):
     """A persistent last launch folds its queries' other rows (``merge_last``) unit by unit."""
     tree = tree_from_spec("1,3_600,5")
     attn = TreeAttention(device=device, backend="triton", streams=0,
-                         cost=CostModel(side_streams=True, tall_first_s=0.0, merge_last_min_group=1))
+                         cost=CostModel(side_streams=True,
+                                        profile=dataclasses.replace(H200, tall_first_s=0.0, merge_last_min_group=1)))
     plan = attn.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32, strategy="node")
     assert plan.merge_last and len(plan.launches) > 1
     q = torch.randn(tree.num_queries, 8, 32, dtype=torch.float64)
@@ -127,12 +129,12 @@ def test_builder_shares_the_sms_by_cost_model():
     heads = HeadConfig(64, 8, 128, torch.float16)
     cost = CostModel(tma=True, pdl=True)
     for spec, programs in (("1,8,512_32,2048,256", [0, 0, 64]), ("1,8,512_512,512,256", [0, 86]),
-                           ("1,32,512_512,1024,256", [0, cost.num_sms])):
+                           ("1,32,512_512,1024,256", [0, cost.profile.num_sms])):
         plan = make_plan(tree_from_spec(spec), heads, cost=cost)
         assert [ln.programs for ln in plan.launches] == programs, spec
     forest, heads = tree_from_spec("4,16,256,512_512,32,128,32"), HeadConfig(32, 8, 128, torch.float16)
     assert not any(ln.programs for ln in make_plan(forest, heads, cost=cost).launches)
-    low = dataclasses.replace(cost, persist_min_leaf_entries=0)
+    low = dataclasses.replace(cost, profile=dataclasses.replace(cost.profile, persist_min_leaf_entries=0))
     assert any(ln.programs for ln in make_plan(forest, heads, cost=low).launches)
 
 
@@ -183,8 +185,8 @@ def test_plan_beside_a_persistent_launch_matches_reference_and_updates(rng, devi
     TILE_BESIDE gives the reference output; its lazy update after a step keeps both tiles where a
     fresh plan of the grown tree has them (new slots that follow the leaves' keep them contig)."""
     tree = gapped_tree()
-    cost = CostModel(tma=False, pdl=True, num_sms=2, tall_first_s=0.0, persist_min_leaf_entries=0,
-                     persist_share_gathered=1.0)
+    cost = CostModel(tma=False, pdl=True, profile=dataclasses.replace(
+        H200, num_sms=2, tall_first_s=0.0, persist_min_leaf_entries=0, persist_share_gathered=1.0))
     attn = TreeAttention(device=device, backend="triton", streams=0, cost=cost)
     plan = attn.plan(tree, num_qo_heads=16, num_kv_heads=2, head_dim=32, dtype=torch.float16, strategy="greedy")
     assert [(ln.block_m, tile(ln), ln.programs) for ln in plan.launches] == [
@@ -217,8 +219,8 @@ def test_lazy_update_keeps_a_persistent_tma_launch():
     kv = np.concatenate([s + np.arange(length) for s, length in zip(starts, lengths)])
     tree = DecodingTree.from_parents(parents, lengths, query_nodes=list(range(3, 35)), kv_indices=kv,
                                      page_size=1, num_slots=int(starts[-1]) + 64)
-    attn = TreeAttention(streams=0, cost=CostModel(tma=True, pdl=True, num_sms=4, tall_first_s=0.0,
-                                                   persist_min_leaf_entries=0))
+    attn = TreeAttention(streams=0, cost=CostModel(tma=True, pdl=True, profile=dataclasses.replace(
+        H200, num_sms=4, tall_first_s=0.0, persist_min_leaf_entries=0)))
     kw = dict(num_qo_heads=16, num_kv_heads=2, head_dim=128, dtype=torch.float16, strategy="node")
     plan = attn.plan(tree, **kw)
     assert [(ln.tma, ln.programs) for ln in plan.launches if ln.block_m == 128 and ln.tma] == [(True, 2)]

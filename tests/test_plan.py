@@ -1,5 +1,7 @@
 """Planner invariants: every plan covers each query's visible tokens exactly once, KV IO matches
 each strategy's promise, plans are deterministic and leave their inputs alone."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from hypothesis import given
 from treeattn import STRATEGIES, DecodingTree, HeadConfig, make_plan
 from treeattn.plan import CostModel
 from treeattn.plan.lower.build import _pair_visibility
+from treeattn.plan.select.profiles import H200
 from treeattn.plan.strategies.greedy import _assign_edges, _padding, plan_greedy
 from treeattn.plan.lower.merge_config import MERGE_LAST_MAX_ROWS, launch_merges
 from treeattn.plan.strategies.node import node_items
@@ -25,7 +28,7 @@ def kv_bytes(tokens: int, heads: HeadConfig = HEADS) -> int:
 
 
 #: plans whose last launch may merge whatever their GQA group (the default takes groups of 8 on)
-FOLD_ANY = CostModel(merge_last_min_group=1)
+FOLD_ANY = CostModel(profile=dataclasses.replace(H200, merge_last_min_group=1))
 
 
 def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
@@ -369,12 +372,14 @@ def test_precompile_covers_the_kernel_suite(spec):
                                                     (32, 8, 4, True), (32, 32, 1, True)])
 def test_last_launch_merges_from_the_cost_models_gqa_group(hq, hkv, min_group, folds):
     """The last launch merges (``merge_last``) only in plans whose GQA group is at least
-    ``CostModel.merge_last_min_group`` (8 by default: the H200 timed the fold faster than the merge
+    the profile's ``merge_last_min_group`` (8 on the H200: the H200 timed the fold faster than the merge
     launch at 64/8 only); the rest of the plan is the same either way."""
     tree, heads = tree_from_spec("2,8_300,20"), HeadConfig(hq, hkv, 128, torch.float16)
-    plan = make_plan(tree, heads, strategy="node", cost=CostModel(merge_last_min_group=min_group))
-    other = make_plan(tree, heads, strategy="node", cost=CostModel(merge_last_min_group=64 if folds else 1))
-    assert plan.merge_last == folds == CostModel(merge_last_min_group=min_group).merges_last(heads)
+    cost = CostModel(profile=dataclasses.replace(H200, merge_last_min_group=min_group))
+    plan = make_plan(tree, heads, strategy="node", cost=cost)
+    other = make_plan(tree, heads, strategy="node",
+                      cost=CostModel(profile=dataclasses.replace(H200, merge_last_min_group=64 if folds else 1)))
+    assert plan.merge_last == folds == cost.merges_last(heads)
     assert other.merge_last != folds
     assert plan.launches == other.launches and torch.equal(plan.merge_indices, other.merge_indices)
     if min_group == 8:

@@ -9,6 +9,7 @@ from treeattn.launchers import (SUPPORTED_DTYPES, check_attention_inputs, defaul
                           merge_partials, partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
 from treeattn.plan.lower.addressing import tma_loads
+from treeattn.plan.select.profiles import profile_for
 from treeattn.plan.lower.update import update_plan
 from treeattn.precompile import precompile
 from treeattn.reference import merge_states_torch, run_plan_torch
@@ -47,8 +48,9 @@ class TreeAttention:
         "auto" runs the Triton kernels on CUDA tensors and the PyTorch reference backend
         otherwise.
     cost : CostModel, optional
-        Cost model for the balancing planners and ``auto`` (default: ``CostModel()``, with
-        ``side_streams=False`` when ``streams`` is 0 without ``pdl``, and ``tma`` as resolved).
+        Cost model for the balancing planners and ``auto`` (default: a ``CostModel`` of
+        :func:`~treeattn.plan.select.profiles.profile_for` ``device``, with ``side_streams=False``
+        when ``streams`` is 0 without ``pdl``, and ``tma`` as resolved).
     streams : int or None
         CUDA side streams on which a plan's launches of different tile shapes run beside the
         first when ``run()`` is captured in a CUDA graph (PAT's multi-stream forward); 0 runs
@@ -105,7 +107,7 @@ class TreeAttention:
         if tma and self.device.type == "cuda" and not hopper:
             raise ValueError("tma needs the triton backend on a CUDA device of compute capability 9.0 or later")
         # launches overlap on side streams and with PDL alike (measured on an H200)
-        self.cost = cost or CostModel(side_streams=streams > 0 or self.pdl,
+        self.cost = cost or CostModel(profile=profile_for(self.device), side_streams=streams > 0 or self.pdl,
                                       tma=hopper if tma is None else bool(tma), pdl=self.pdl)
 
     @property

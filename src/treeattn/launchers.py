@@ -20,8 +20,8 @@ from treeattn.kernels.state import LOG2E
 from treeattn.plan.lower.merge_config import merge_config, merge_row_tile
 from treeattn.plan.format import Plan
 
-__all__ = ["SUPPORTED_DTYPES", "check_attention_inputs", "partial_attention", "merge_partials",
-           "launch_cache", "check_triton_device"]
+__all__ = ["SUPPORTED_DTYPES", "attention_constexprs", "check_attention_inputs", "partial_attention",
+           "merge_partials", "launch_cache", "check_triton_device"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -77,8 +77,7 @@ def launch_cache(plan: Plan) -> dict:
     ``plan`` (kept on the plan object: made on its first run, reused by every layer and step).
 
     Triton binds and specialises every argument on each ``kernel[grid](...)`` call, ~25 us of
-    host time a launch on the H200's host against ~9 us for the launch itself
-    (benchmarks/probe_launch.py). A call whose inputs match an earlier one's in everything
+    host time a launch on the H200's host against ~9 us for the launch itself. A call whose inputs match an earlier one's in everything
     Triton specialises on (dtypes, 16-byte alignment of the tensors, the scalars, the
     constexprs and launch options) launches that call's compiled kernel directly. Under
     Triton's interpreter nothing is compiled or kept."""
@@ -155,6 +154,34 @@ def _tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride:
     return tuple(descs)
 
 
+def _block_d(head_dim: int) -> int:
+    """The kernels' head_dim tile: the next power of two, at least 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def attention_constexprs(plan: Plan, launch, *, dtype: torch.dtype, device: torch.device, direct: bool,
+                         merges: bool, write_lse: bool, tma: bool, wide: bool) -> dict:
+    """The constexprs and launch options of the partial-attention kernel for ``launch`` of
+    ``plan`` (what :func:`partial_attention` launches and :mod:`treeattn.precompile` compiles):
+    ``dtype`` and ``device`` of the query, whether the plan writes single-row queries out
+    (``direct``), this launch merges (``merges``) and writes the LSE out (``write_lse``), loads
+    through tensor descriptors (``tma``) and needs int64 offsets (``wide``). A flag that the
+    kernel would not read (a mask split without the mask, the split tail of a masked launch) is
+    off, so that launches which run the same code share one compiled variant."""
+    masked = plan.has_mask and launch.masked
+    # Triton's CPU interpreter computes bf16 dots wrongly: they run in fp32 there
+    upcast = torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    h = plan.heads
+    return dict(
+        GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=_block_d(h.head_dim),
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
+        HAS_MASK=masked, MASK_SPLIT=launch.mask_split and masked, HEADS_INNER=launch.heads_inner,
+        CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail and not masked, DIRECT=direct and not merges,
+        WRITE_LSE=(direct or merges) and write_lse, DOT_PRECISION="ieee" if dtype == torch.float32 or upcast else "tf32",
+        UPCAST=upcast, TMA=tma, MERGE_ROWS=merges, PERSIST=launch.programs > 0, WIDE=wide,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
 def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan,
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
@@ -191,9 +218,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """
     check_triton_device(q)
     h = plan.heads
-    block_d = max(16, 1 << (h.head_dim - 1).bit_length())
-    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 or upcast else "tf32"
+    block_d = _block_d(h.head_dim)
     mask_args = (plan.tree_mask, plan.query_pos, plan.query_prefix)
     if not plan.has_mask:
         mask_args = (plan.kv_indices,) * 3  # never read: HAS_MASK is off
@@ -252,16 +277,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             grid = (units * h.num_kv_heads,)
         else:
             grid = (units, h.num_kv_heads)
-        kwargs = dict(
-            GROUP=h.group, HEAD_DIM=h.head_dim, BLOCK_D=block_d,
-            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE_SIZE=plan.page_size,
-            HAS_MASK=plan.has_mask and launch.masked, MASK_SPLIT=launch.mask_split, HEADS_INNER=launch.heads_inner,
-            CONTIG=launch.contig, SPLIT_TAIL=launch.split_tail, DIRECT=direct and not merges,
-            WRITE_LSE=(direct or merges) and lse_out is not None, DOT_PRECISION=precision, UPCAST=upcast,
-            TMA=descs is not None, MERGE_ROWS=merges, PERSIST=launch.programs > 0, WIDE=wide,
-            num_warps=launch.num_warps,
-            num_stages=launch.num_stages, **pdl_args)
-        _launch(_tree_partial_attention_kernel, grid, args, kwargs, kept, (i, call))
+        kwargs = attention_constexprs(plan, launch, dtype=q.dtype, device=q.device, direct=direct, merges=merges,
+                                      write_lse=lse_out is not None, tma=descs is not None, wide=wide)
+        _launch(_tree_partial_attention_kernel, grid, args, kwargs | pdl_args, kept, (i, call))
 
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
         if i == 0 or not side:
@@ -283,8 +301,7 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``max_rows``: the most rows a merged
     query has (``Plan.merge_rows_max``), which sizes the row tile of few queries' merges; any
     count merges correctly. ``block_h`` (heads per program, a power of two), ``num_warps`` and
-    ``row_tile`` (0: the row loop) override :func:`merge_config` (benchmarks/sweep_merge.py,
-    probe_merge_rows.py).
+    ``row_tile`` (0: the row loop) override :func:`merge_config`.
     With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
     launch that waits for the partial rows on the device. ``cache``: the :func:`launch_cache` of
     the plan these index tensors are (CUDA only)."""

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from treeattn.launchers import merge_partials, partial_attention
+from treeattn.launchers import attention_constexprs, merge_partials, partial_attention
 from treeattn.plan.lower.addressing import (
     BESIDE_MIN_GROUP,
     SPLIT_TAIL_ROWS,
@@ -86,7 +86,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     ``tma``: the plans may take :func:`~treeattn.plan.lower.addressing.tma_launches`
     (:func:`~treeattn.plan.lower.addressing.tma_loads`).
     ``merge_last``: the plans' last launch may merge (:attr:`~treeattn.plan.format.Plan.merge_last`;
-    :attr:`~treeattn.plan.select.cost.CostModel.merge_last_min_group`); without it, no merging variant.
+    :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`); without it, no merging variant.
     ``workers``: on a CUDA device, first compile in this many worker processes (each launches
     every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
     this process then loads them from there). Each holds a CUDA context while it runs.
@@ -120,20 +120,27 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
         lse_part = torch.empty(plan.num_rows, hq, device=device)
         out = torch.empty_like(q)
         # rows: to the merge, direct where final, or merging (a plan's last launch)
+        seen = set()
         for cfg, rows, inner, split, tail, persist in itertools.product(
                 launch_configs(heads, tma=tma, pdl=pdl), ("part", "direct", "merge"), (False, True), (False, True),
                 (False, True), (False, True)):
             m, n, warps, stages, contig, tma_ = cfg
-            if (split and not plan.has_mask) or (tail and (plan.has_mask or m < SPLIT_TAIL_ROWS)) \
-                    or (tma_ and not tail) or (rows == "merge" and not (merge_last and launch_merges(m, tma_))) \
+            # (launches the builder never makes)
+            if (tail and m < SPLIT_TAIL_ROWS) or (rows == "merge" and not (merge_last and launch_merges(m, tma_))) \
                     or (persist and (rows == "merge" or not persists(heads, cfg, pdl=pdl))):
                 continue
-            shaped = dataclasses.replace(plan, launches=(Launch(m, n, 0, plan.num_work, warps, stages,
-                                                                heads_inner=inner, mask_split=split,
-                                                                contig=contig, split_tail=tail, tma=tma_,
-                                                                programs=int(persist)),),
-                                         num_direct=plan.num_direct if rows == "direct" else 0,
+            launch = Launch(m, n, 0, plan.num_work, warps, stages, heads_inner=inner, mask_split=split,
+                            contig=contig, split_tail=tail, tma=tma_, programs=int(persist))
+            shaped = dataclasses.replace(plan, launches=(launch,), num_direct=plan.num_direct if rows == "direct" else 0,
                                          merge_launch=0 if rows == "merge" else -1)
+            # the launcher's own flags tell apart what compiles to different code: a flag the
+            # kernel would not read adds no variant; TMA launches always run the split tail
+            flags = attention_constexprs(shaped, launch, dtype=dt, device=device, direct=shaped.num_direct > 0,
+                                         merges=rows == "merge", write_lse=False, tma=tma_, wide=False)
+            key = tuple(flags.items())
+            if key in seen or (flags["TMA"] and not flags["SPLIT_TAIL"]):
+                continue
+            seen.add(key)
             yield lambda shaped=shaped, rows=rows, o_part=o_part, lse_part=lse_part, out=out: partial_attention(
                 q, kc, kc, shaped, o_part, lse_part, sm_scale=d ** -0.5, out=out, pdl=pdl, merge_last=rows == "merge")
     for n, rows in merge_launches(hq, d):
@@ -164,7 +171,7 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
     process for each set of arguments (cached): a later call finds the variants in this process's
     JIT cache, where starting the workers again made it take 8.6-11.9 s instead of 0.1 s
-    (an H100, 16 workers; benchmarks/results/h100_precompile_workers.json)."""
+    (measured on an H100, 16 workers)."""
     t0 = time.perf_counter()
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",

@@ -7,8 +7,7 @@ of consecutive steps spread over the workload run it (the others only do the tre
 bookkeeping: their KV slots are allocated but not written, which does not change the timing of
 later steps), which samples the workload: ToT's steps decode varying numbers of queries, and 3
 windows of 10 steps misjudged its mean. Per window: ``warmup_steps`` warm-up steps (one by
-default; ``auto``'s measured tuning, :mod:`treeattn.engine.tuning`, needs a few dozen to settle
-on the strategy of the window's tree shape before it is timed), ``steps / windows`` timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
+default), ``steps / windows`` timed steps (back to back, no host synchronisation: the per-iteration latency is the interval
 between CUDA events recorded after each step), then a few *breakdown* steps, each run in isolation
 after a GPU sleep long enough for the host to enqueue the whole step first, so their CUDA events
 measure pure GPU time: attention (events around every layer's attention call, summed) and the rest.
@@ -230,7 +229,6 @@ def bench_workload(model, name: str, strategy: str, *, steps: int | None = None,
         "isolated_gap": (mean - gpu) / mean if lat and parts else float("nan"),
         "breakdown_pure": all(p["pure"] for p in parts),
         "strategies_used": used, "cuda_graphs": graphs,
-        "tuning": engine.planner.tuner.summary() if engine.planner.tuner is not None else None,
         "graph_max_diff": engine.graphs.max_diff if engine.graphs is not None else None,
         "leaked_pages": int(leaked), "wall_s": wall_s, "precompile_s": precompile_s,
         "precompile_launches": compiled, "reserved_gib_at_start": reserved / 2**30,

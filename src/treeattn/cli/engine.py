@@ -46,8 +46,6 @@ def add_model_args(p, default_random=None) -> None:
     p.add_argument("--window", type=positive_int, default=16,
                    help="decode steps planned at once (1: every step; default: 16)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the decode forward eagerly")
-    p.add_argument("--tune", action="store_true",
-                   help="auto: time the cost model's near-best strategies and keep the fastest per tree shape")
     p.add_argument("--no-pdl", action="store_true",
                    help="plain attention launches instead of programmatic dependent ones (on by default on "
                         "Hopper and later GPUs)")
@@ -122,7 +120,7 @@ def add_bench_e2e_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--breakdown-steps", type=nonnegative_int, default=2,
                    help="isolated steps per window for the breakdown")
     p.add_argument("--warmup-steps", type=nonnegative_int, default=1,
-                   help="untimed steps before each window (auto's measured tuning settles in a few dozen)")
+                   help="untimed steps before each window")
     p.add_argument("--json", metavar="OUT", default=None, help="write the results here (JSON)")
     p.add_argument("--png", metavar="OUT", default=None, help="plot the speedups here")
     p.set_defaults(func=bench_command)
@@ -163,7 +161,7 @@ def load_model(args) -> TreeModel:
 
 def _engine_kw(args) -> dict:
     return {"page_size": args.page_size, "kv_tokens": args.kv_tokens, "window": args.window,
-            "cuda_graphs": False if args.no_cuda_graphs else None, "tune": args.tune,
+            "cuda_graphs": False if args.no_cuda_graphs else None,
             "pdl": False if args.no_pdl else None, "compile_workers": args.compile_workers}
 
 

@@ -19,6 +19,7 @@ from treeattn.cli.args import (CliParser, add_log_level, device_arg, error, head
                                positive_int, tree_spec_arg)
 from treeattn.cli.demo import add_demo_parser
 from treeattn.cli.engine import add_bench_e2e_parser, add_bench_workloads_parser, add_run_parser
+from treeattn.cli import calibrate
 from treeattn.cli.serve import add_bench_serve_parser, add_serve_parser
 from treeattn.engine.workloads import TOT_TEMPLATES
 from treeattn.tree import tree_from_spec, tree_from_tot_template
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub)
     add_serve_parser(sub)
     _add_attention_parser(sub)
+    calibrate.add_parser(sub)
     bench_p = sub.add_parser("bench", help="benchmarks: kernels and e2e (CUDA), serve (HTTP client)",
                              description="Benchmarks: the kernel suite and end-to-end decoding (CUDA), "
                                          "and a request trace replayed against a running server.")

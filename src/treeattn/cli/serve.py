@@ -95,7 +95,7 @@ def serve_command(args) -> int:
     model = load_model(args)
     engine = TreeEngine(model, strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens,
                         window=args.window, cuda_graphs=False if args.no_cuda_graphs else None,
-                        tune=args.tune, keep_reserved=True, compile_workers=args.compile_workers)
+                        keep_reserved=True, compile_workers=args.compile_workers)
     limit = min(model.config.max_position_embeddings, args.kv_tokens)
     max_len = min(args.max_model_len, limit) if args.max_model_len else limit
     name = args.served_model_name or args.model or args.random_weights

@@ -25,7 +25,6 @@ from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.speculative import SpeculativeSteps
 from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
-from treeattn.engine.tuning import EventTimer, HostTimer, StrategyTuner
 
 __all__ = ["TreeEngine"]
 
@@ -50,11 +49,6 @@ class TreeEngine(SpeculativeSteps):
         of leaves); 1 plans every step.
     auto_refresh : int
         See :class:`~treeattn.engine.planning.StepPlanner`.
-    tune : bool
-        With ``strategy="auto"``, time the cost model's near-best strategies on the device and keep
-        the fastest per tree shape (:mod:`treeattn.engine.tuning`). Off (default): the cost
-        model's estimate decides. Measured neutral on ``bench e2e`` (H200, benchmarks/NOTES.md
-        session 8), whose short windows rarely let a trial finish.
     pdl : bool or None
         Attention launches as programmatic dependent launches (:class:`~treeattn.TreeAttention`);
         None (default): on Hopper and later GPUs with the Triton backend. Measured on an H200
@@ -86,7 +80,7 @@ class TreeEngine(SpeculativeSteps):
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
                  backend: str = "auto", cuda_graphs: bool | None = None, window: int = 16,
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
-                 tune: bool = False, pdl: bool | None = None, max_inflight: int | None = 2,
+                 pdl: bool | None = None, max_inflight: int | None = 2,
                  compile_workers: int | None = None, precompile: bool | None = None):
         c = model.config
         self.model, self.device = model, model.device
@@ -96,9 +90,6 @@ class TreeEngine(SpeculativeSteps):
         self.tree = SequenceTree(self.kv)
         self._paged = [(self.pool.k_cache(l), self.pool.v_cache(l)) for l in range(c.num_layers)]
         self.strategy = strategy
-        tuner = None
-        if strategy == "auto" and tune:
-            tuner = StrategyTuner(timer=EventTimer() if model.device.type == "cuda" else HostTimer())
         self.backend = backend
         self._workspace = None
         # no side streams: destroying a graph with side-stream branches waits for its queued
@@ -107,7 +98,7 @@ class TreeEngine(SpeculativeSteps):
         # (its cost model rates launches one after another without PDL, overlapping with it)
         self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
                                    strategy=strategy, device=model.device, auto_refresh=auto_refresh,
-                                   tuner=tuner, cost=self.attention.cost)
+                                   cost=self.attention.cost)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
@@ -126,7 +117,6 @@ class TreeEngine(SpeculativeSteps):
         #: profiling hook ``hook(event, layer)``, event in forward_begin / attn_begin / attn_end /
         #: forward_end (layer -1 for the forward events); called where the work is enqueued
         self.hook = None
-        self._probe = None      # the tuner's timer of this step's attention (trial plans only)
         self.stats: list[StepStats] = []
         self._logits: dict[int, tuple] = {}
         self._win: Window | None = None
@@ -274,7 +264,7 @@ class TreeEngine(SpeculativeSteps):
             plan_ms = self.planner.last_ms
             leaf = int(dtree.query_prefix.sum())      # the leaves' own tokens and reserved slots
             above = (int(dtree.visible_tokens.sum()) - leaf, dtree.num_tokens - leaf)
-            w = self._win = Window(tuple(nodes), plan, self.planner.window_steps(plan, h), own,
+            w = self._win = Window(tuple(nodes), plan, h, own,
                                     dtree.num_tokens, above)
         w.left -= 1
         w.expect = [o + 1 for o in own]
@@ -303,9 +293,7 @@ class TreeEngine(SpeculativeSteps):
             while bounded and len(self._inflight) >= self.max_inflight:
                 self._inflight.popleft().synchronize()
             self._fire("forward_begin")
-            self._probe = self.planner.probe(plan, self.model.config.num_layers)
             logits = self._run_model(tokens, pos, slots, plan)
-            self._probe = None
             self._fire("forward_end")
             if bounded:
                 self._inflight.append(torch.cuda.Event())
@@ -339,8 +327,6 @@ class TreeEngine(SpeculativeSteps):
     def _fire(self, event: str, layer: int = -1) -> None:
         if self.hook is not None:
             self.hook(event, layer)
-        if self._probe is not None:
-            self._probe(event, layer)
 
     def _run_model(self, tokens, pos, slots, plan) -> torch.Tensor:
         self._ensure_workspace(plan)

@@ -18,15 +18,11 @@ import numpy as np
 import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
-from treeattn.engine.tuning import StrategyTuner
 from treeattn.plan.format import masked_entries, split_masked_launches, unit_mask_terms
+from treeattn.plan.lower.tensors import plan_to_device
 from treeattn.plan.lower.update import update_plan
 
 __all__ = ["StepPlanner", "upload"]
-
-#: int32 elements between the starts of a device plan's tensors (64 bytes)
-_ALIGN = 16
-
 
 def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Tensor:
     """``arr`` as a tensor on ``device``; CUDA copies go through pinned memory without blocking."""
@@ -34,10 +30,6 @@ def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Te
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def _tensor_fields(plan: Plan) -> list:
-    return [f.name for f in dataclasses.fields(plan) if isinstance(getattr(plan, f.name), torch.Tensor)]
 
 
 class StepPlanner:
@@ -58,20 +50,15 @@ class StepPlanner:
         without a decode window is also patched (:func:`~treeattn.plan.lower.update.update_plan`) for
         up to this many following trees that only append tokens to its planned tails, while
         that shape key holds.
-    tuner : treeattn.engine.tuning.StrategyTuner, optional
-        With ``strategy="auto"``: time auto's near-best strategies for each shape key and keep
-        the fastest (the caller runs :meth:`probe` on every step). Without one, auto's estimate
-        decides.
     """
 
     def __init__(self, heads: HeadConfig, *, strategy: str, device, cost: CostModel | None = None,
-                 auto_refresh: int = 32, tuner: StrategyTuner | None = None):
+                 auto_refresh: int = 32):
         self.heads = heads
         self.strategy = strategy
         self.device = torch.device(device)
         self.cost = cost or CostModel()
         self.auto_refresh = max(1, int(auto_refresh))
-        self.tuner = tuner if strategy == "auto" else None
         self._auto: tuple | None = None       # (shape key, chosen strategy, plans left)
         self._last: tuple | None = None       # (host plan, shape key, updates left) for update_plan
         self.last_ms = 0.0
@@ -83,24 +70,19 @@ class StepPlanner:
         # a speculative verify loop keeps its nodes and queries while the prefix grows from a few
         # tokens (sequence wins) to thousands (prefix-aware plans win): decide again per octave.
         # A serving batch changes its requests every few steps: deciding again each time cost
-        # `auto` ~1 ms a step over `sequence` at 3 req/s (results/h200_serve_sweep_e31b4c4.json)
+        # `auto` ~1 ms a step over `sequence` at 3 req/s (measured on an H200)
         sharing = int(tree.visible_tokens.sum()) * 4 // max(1, int(tree.num_tokens))
         return (int(tree.num_nodes).bit_length(), int(tree.num_queries).bit_length(),
                 int(tree.num_tokens).bit_length(), sharing.bit_length())
 
-    def _choose(self, key: tuple | None) -> tuple:
-        """``(strategy, note, trial)``: the strategy to plan with, a note for the plan's reason and
-        whether the plan is a trial of the tuner."""
+    def _choose(self, key: tuple | None) -> str:
+        """The strategy to plan with: ``auto``'s last choice while its shape key holds."""
         if key is None:
-            return self.strategy, "", False
-        if self.tuner is not None:
-            strategy, note, trial = self.tuner.choose(key)
-            if strategy is not None:
-                return strategy, note, trial
+            return self.strategy
         if self._auto is not None and self._auto[0] == key and self._auto[2] > 0:
             self._auto = (key, self._auto[1], self._auto[2] - 1)
-            return self._auto[1], "", False
-        return "auto", "", False
+            return self._auto[1]
+        return "auto"
 
     def plan(self, tree: DecodingTree, *, first_prefix: np.ndarray | None = None) -> Plan:
         """Plan ``tree`` and move the plan to the device.
@@ -112,30 +94,23 @@ class StepPlanner:
         """
         t0 = time.perf_counter()
         key = self._shape_key(tree) if self.strategy == "auto" else None
-        patched = self._update(tree, key) if first_prefix is None and self.tuner is None else None
+        patched = self._update(tree, key) if first_prefix is None else None
         self.last_patched = patched is not None
         if patched is not None:
-            plan = self._to_device(patched)
+            plan = plan_to_device(patched, self.device)
             self.last_ms = (time.perf_counter() - t0) * 1e3
             return plan
         self._last = None
-        strategy, note, trial = self._choose(key)
+        strategy = self._choose(key)
         plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
         if strategy == "auto":
             self._auto = (key, plan.strategy, self.auto_refresh - 1)
-            if self.tuner is not None:
-                note = self.tuner.start(key, plan.strategy, plan.candidates)
-                trial = bool(note)
-        if note:
-            plan = dataclasses.replace(plan, reason=f"{note}; {plan.reason}")
         self.last_reason = plan.reason
         if first_prefix is not None:
             plan = self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
-        elif not trial:
+        else:
             self._last = (plan, key, self.auto_refresh - 1)
-        plan = self._to_device(plan)
-        if trial:
-            self.tuner.track(key, plan.strategy, plan)
+        plan = plan_to_device(plan, self.device)
         self.last_ms = (time.perf_counter() - t0) * 1e3
         return plan
 
@@ -151,16 +126,6 @@ class StepPlanner:
         if plan is not None:
             self._last = (plan, key, left - 1)
         return plan
-
-    def window_steps(self, plan: Plan, steps: int) -> int:
-        """Steps of a decode window of ``steps`` that ``plan`` runs: fewer for a trial plan of the
-        tuner (:meth:`StrategyTuner.steps`)."""
-        return self.tuner.steps(plan, steps) if self.tuner is not None else steps
-
-    def probe(self, plan: Plan, num_layers: int):
-        """``probe(event, layer)`` for the attention events of a step that runs ``plan`` when the
-        tuner times it (a trial plan), else None."""
-        return self.tuner.probe(plan, num_layers) if self.tuner is not None else None
 
     def set_prefix(self, plan: Plan, prefix: np.ndarray) -> None:
         """Let query ``j`` of ``plan`` see ``prefix[j]`` tokens of its own node (no host sync)."""
@@ -228,19 +193,3 @@ class StepPlanner:
         rec[:, 0], rec[:, 1], rec[:, 2] = topo.tin[node], topo.tout[node], pos - np.arange(pos.size)
         return dataclasses.replace(plan, tree_mask=torch.from_numpy(rec),
                                    query_pos=i32(topo.tin[tree.query_nodes]), **common)
-
-    def _to_device(self, plan: Plan) -> Plan:
-        if self.device.type == "cpu":
-            return plan
-        names = _tensor_fields(plan)
-        parts = [getattr(plan, n).reshape(-1).to(torch.int32) for n in names]
-        # every tensor starts 64-byte aligned, like plan.py's buffers: Triton specialises kernels
-        # on pointer alignment, and a plan-dependent alignment would compile new variants mid-run
-        starts = np.cumsum([0] + [-(-p.numel() // _ALIGN) * _ALIGN for p in parts])
-        host = torch.empty(int(starts[-1]), dtype=torch.int32, pin_memory=True)
-        for p, at in zip(parts, starts.tolist()):
-            host[at: at + p.numel()] = p
-        dev = host.to(self.device, non_blocking=True)
-        views = {n: dev[at: at + p.numel()].view(getattr(plan, n).shape)
-                 for n, p, at in zip(names, parts, starts.tolist())}
-        return dataclasses.replace(plan, **views)

@@ -17,7 +17,7 @@ from treeattn.kernels.state import LN2, LOG2E, _fold_state
 def _index(x, WIDE: tl.constexpr):
     """``x`` as the kernel's element offsets: int64 with ``WIDE`` (some tensor spans 2^31
     elements or more), else int32, which takes about half the address instructions (int64 adds
-    and multiplies were most of a small tile's integer work; benchmarks/NOTES.md, session 38)."""
+    and multiplies were most of a small tile's integer work, measured on an H200)."""
     if WIDE:
         return x.to(tl.int64)
     else:
@@ -67,7 +67,7 @@ def _attend_tile(
             rec_valid = tl.full([BLOCK_N], 1, tl.int1)
     if TMA and FULL:
         # one bulk copy a tile into shared memory (Hopper's TMA), where the MMAs read it: no
-        # address arithmetic or registers in the threads (benchmarks/probe_tma.py). Whole tiles
+        # address arithmetic or registers in the threads. Whole tiles
         # only: past a unit's end lie other slots, which a partial tile would have to zero
         row = (desc_row + n0).to(tl.int32)
         k = K_desc.load([row, desc_col])
@@ -76,7 +76,6 @@ def _attend_tile(
         if CONTIG:
             # the unit's slots are one run: addresses affine in n0 stream a lone program's tiles
             # 1.6x faster than gathered ones, and than non-affine ones computed without any load
-            # (benchmarks/probe_segments.py)
             slot = slot_base + at
         else:
             # (WIDE: page * stride overflows int32 on pools of 2^31 elements)
@@ -359,31 +358,28 @@ def _tree_partial_attention_kernel(
     layer_offset = tl.load(kv_layer).to(tl.int64) * stride_layer
     K += layer_offset
     V += layer_offset
+    # one loop over the program's (unit, KV head) pairs, numbered as the persistent grid-stride
+    # loop visits them; a one-shot program runs the single pair its grid position names
     if PERSIST:
-        for t in range(tl.program_id(0), num_units * num_kv_heads, tl.num_programs(0)):
-            if HEADS_INNER:
-                work = t // num_kv_heads + work_offset
-                kv_head = t % num_kv_heads
-            else:
-                work = t % num_units + work_offset
-                kv_head = t // num_units
-            _attend_unit(
-                work, kv_head, Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
-                kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
-                tree_mask, query_pos, query_prefix, merge_indptr, merge_indices, qk_scale, layer_offset,
-                stride_qn, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                stride_pn, stride_ph, stride_pln, stride_on, stride_oh, stride_ln,
-                GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGE_SIZE, HAS_MASK, MASK_SPLIT, CONTIG, SPLIT_TAIL,
-                DIRECT, WRITE_LSE, DOT_PRECISION, UPCAST, PDL, TMA, MERGE_ROWS, WIDE, PERSIST)
+        first = tl.program_id(0)
+        stop = num_units * num_kv_heads
+        step = tl.num_programs(0)
     else:
         if HEADS_INNER:
             # a work unit's KV heads side by side in the grid: they read the same tokens' [Hkv, D]
             # rows (contiguous in the cache) at about the same time
-            work = tl.program_id(0) // num_kv_heads + work_offset
-            kv_head = tl.program_id(0) % num_kv_heads
+            first = tl.program_id(0)
         else:
-            work = tl.program_id(0) + work_offset
-            kv_head = tl.program_id(1)
+            first = tl.program_id(1) * num_units + tl.program_id(0)
+        stop = first + 1
+        step = 1
+    for t in range(first, stop, step):
+        if HEADS_INNER:
+            work = t // num_kv_heads + work_offset
+            kv_head = t % num_kv_heads
+        else:
+            work = t % num_units + work_offset
+            kv_head = t // num_units
         _attend_unit(
             work, kv_head, Q, K, V, K_desc, V_desc, O_part, LSE_part, Out, LSE_out,
             kv_indices, work_kv_start, work_kv_end, work_mask_start, work_row_indptr, row_q_indices, row_direct,
@@ -396,7 +392,7 @@ def _tree_partial_attention_kernel(
         # finish after the launch before (see above; MERGE_ROWS waited before its fold). The
         # grid's last program waiting is enough for that; the others leave their SM slots to the
         # programs still queued rather than hold them until the launch before ends (a leaf launch
-        # beside a tall one: up to 1.2x, benchmarks/NOTES.md, session 35)
+        # beside a tall one: up to 1.2x on an H200)
         last = (tl.program_id(0) == tl.num_programs(0) - 1) & (tl.program_id(1) == tl.num_programs(1) - 1)
         if last:
             tl.extra.cuda.gdc_wait()

@@ -84,26 +84,26 @@ def contig_launches(launches, is_run: np.ndarray, num_kv_heads: int, num_sms: in
 
     Addresses affine in the loop counter stream faster than gathered ones: a lone program walking
     4K tokens runs 1.5x faster (addresses computed from registers but not affine are as slow as
-    gathered ones: benchmarks/probe_segments.py, so it is not the slot load). The
+    gathered ones, so it is not the slot load). The
     deeper pipeline takes shared memory, so beyond three programs a SM a launch keeps one stage
     less, and 64-row tiles of long KV tiles keep gathered slots beyond one wave (per-launch sweep
-    on an H200: benchmarks/sweep_contig.py; counting the programs of all the plan's launches
+    on an H200; counting the programs of all the plan's launches
     instead, as they share the SMs on streams, was no better over the suite and worse on two
-    trees: benchmarks/probe_contig_rule.py, NOTES.md). The tallest tiles over long items
+    trees). The tallest tiles over long items
     (unmasked) take :data:`TILE_TALL_CONTIG` instead: 32-token KV tiles keep three stages in flight
     in the shared memory that two 64-token ones fill, 1.04-1.29x faster on 45 of the suite's 47
-    such launches at 64-768 programs (benchmarks/probe_tall.py).
+    such launches at 64-768 programs.
 
     Launches that keep gathering with 32-row tiles over long items and many waves of programs run
     two warps a program: 1.03-1.12x faster on all twelve such launches of the suite's GQA plans
-    (deep trees, 1024-2048 programs), 0.87-0.91x at 256 programs (benchmarks/probe_warps.py).
+    (deep trees, 1024-2048 programs), 0.87-0.91x at 256 programs.
     Launches of the tallest tiles over long items that keep gathering (units that are no runs: a
     root glued to a node, the deep trees' paths; or runs beyond the waves above) take
     :data:`TILE_TALL_GATHERED` with 16-bit caches: at 64-token tiles, 4 warps and 3 stages the
     kernel spills (255 registers a thread, Triton 3.6), at 32-token tiles and 7 stages it does not,
     and each K/V tile's slot load leaves a deeper pipeline more to hide. On an H100 the suite's ten
     such plans (128-512 programs) ran 0.99-1.20x as fast, geomean 1.043x; 5 stages 1.038x, 3
-    stages 0.985x (benchmarks/probe_gathered_tall.py). Seven stages of 16-bit 32-token tiles and a
+    stages 0.985x. Seven stages of 16-bit 32-token tiles and a
     128-row query tile take ~147 KB of shared memory: one program a SM.
     """
     out = []
@@ -170,17 +170,17 @@ def tma_launches(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, n
     With no address arithmetic in the threads, K/V land in shared memory where the MMAs read
     them, and 128-token KV tiles with 8 warps pay: standalone tall tiles 1.12-1.14x faster than
     with pointer loads at that config and 1.22-1.49x faster than at TILE_TALL_CONTIG
-    (benchmarks/probe_tma.py). In the suite's plans (benchmarks/probe_tma_plans.py) that holds
+    (measured on an H200). In the suite's plans that holds
     on long units (``1,1024_2048,32``'s 2048-token root: 1.07 / 1.12 / 1.18x at 32/32, 32/8,
     64/8), but over shorter units the wide tile's longer pipeline start costs up to 1.2x
     (0.82-1.04x, below 1.0 on 10 of 14 plans), and descriptor loads at the launches' own configs
     gain nothing (0.93-1.03x). Beside a large leaf launch the gain shrinks: 8 such roots over 512
-    leaves of 256 tokens, 0.98x / 1.05x at 32/8 / 64/8 (benchmarks/NOTES.md, session 19).
+    leaves of 256 tokens, 0.98x / 1.05x at 32/8 / 64/8.
 
     Launches of fewer programs than SMs pay from shorter units on (the wide tile's three stages
     fill an SM's shared memory: one program a SM, beside the plan's other launches). On the
-    context chunks of Medusa trees (H100, benchmarks/probe_spec.py ``splits``, NOTES.md sessions
-    27-28): 1.04-1.33x faster at 32-96 programs over 400-1250 tokens; at 128 programs 1.08x over
+    context chunks of Medusa trees (measured on an H100):
+    1.04-1.33x faster at 32-96 programs over 400-1250 tokens; at 128 programs 1.08x over
     1250 tokens but 0.99-1.00x over 625-750 and 0.83-0.89x over 375-400; at 192-384 programs
     0.90-1.06x over 417-833 tokens.
     """
@@ -231,8 +231,7 @@ def split_tails(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray, *,
     The step issues ~14% fewer instructions a tile (a 128 x 32 tile's loop body, PTX for sm_90 from
     Triton 3.9: 636 -> 545 a thread), which bound tall tiles over long items, but a unit's partial
     last tile then runs after the software-pipelined loop, one more memory round trip a program.
-    Per plan on an H200 (every suite plan with the step on all tall unmasked launches,
-    benchmarks/probe_full_tiles.py):
+    Per plan on an H200 (every suite plan with the step on all tall unmasked launches):
     geomean 1.013x (0.98-1.13x, 193 plans) where no unit has a partial tile, 1.033x (1.00-1.10x,
     4 plans) on units of 32 tiles or more, 0.980x (0.85-1.02x, 83 plans) otherwise, e.g. the
     short round-up items of ``pack``.
@@ -263,7 +262,7 @@ def persistent_tile(block_n: int, num_warps: int, num_stages: int, *, elem_bytes
     :data:`TILE_TALL_GATHERED` where a 128-row launch of it would (16-bit caches, 64-token tiles
     planned), at any query tile. One program a SM, the deepest pipeline pays: the deep ``paths``
     trees' 64-row launch at 32/8 (64-token tiles, 3 stages planned) ran 1.048 / 1.050x faster on
-    an H200 (benchmarks/probe_tall_footprint.py, h200_probe_leaf_beside.json; NOTES.md, session 36)."""
+    an H200."""
     if not tma and _gathered_tall(TALL_CONTIG_ROWS, block_n, elem_bytes):
         return TILE_TALL_GATHERED
     return block_n, num_warps, num_stages
@@ -282,12 +281,12 @@ def beside_persistent(launches, *, group: int) -> tuple:
 
     Beside a persistent tall program (~147 KB of shared memory and half an SM's registers) an
     SM holds one leaf program; 32-token tiles in three stages keep more KV in flight a program
-    than 64-token tiles in two. On an H200 (benchmarks/probe_tall_footprint.py,
-    h200_probe_leaf_beside.json, three alternating rounds): every such plan of the suite at 64/8
+    than 64-token tiles in two. On an H200 (three alternating
+    rounds): every such plan of the suite at 64/8
     (16-row leaf launches) 1.004-1.026x; at 32/8 the two such plans (the deep trees) 0.985x, and
     32-token tiles in two stages, 16-token tiles, two warps or 64-token tiles in three stages
     lost at both. A persistent TMA program fills its SM, so the leaves run on the others, where
-    this tile lost (``1,8,512_32,2048,256``: 0.98x at 64/8 and at 32/8, session 37)."""
+    this tile lost (``1,8,512_32,2048,256``: 0.98x at 64/8 and at 32/8)."""
     if group < BESIDE_MIN_GROUP or not any(ln.programs and not ln.tma for ln in launches):
         return tuple(launches)
     block_n, num_warps, num_stages = TILE_BESIDE
@@ -322,13 +321,12 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
     the leaf launch gets the rest of the GPU from the start: the SMs it leaves alone and, beside
     a gathered program (~147 KB of shared memory), one leaf program an SM. On an H200 with the
     merge launch (the fold would make every leaf program wait for the tall launch):
-    - one program a SM (session 35): the gathered launches at 64/8 of ``1,8,512_512,512,256``,
+    - one program a SM: the gathered launches at 64/8 of ``1,8,512_512,512,256``,
       ``1,8,512_32,512,256`` and the deep ``paths`` tree 1.02-1.06x, the deep tree's 64-row
       one at 32/8 1.03x; tall-heavy plans lose (``1,4,16,512_1024,256,128,32`` at 64/8, leaves
       0.36 of the tall launch's KV: 0.89x), and so do TMA launches (0.89-0.96x: they fill every
       SM) and launches within one wave (0.95-0.99x);
-    - over part of the SMs (session 37, benchmarks/probe_tall_footprint.py ``N<n>`` variants,
-      h200_probe_tall_sms*.json), against the plans of session 36: the TMA launch of
+    - over part of the SMs, against the plans with one program a SM: the TMA launch of
       ``1,8,512_32,2048,256`` at 64/8 (256 programs) 1.084-1.091x over 64 programs (1.03x over
       56 or 96), at 32/8 (128) 1.02-1.03x over 56-64; the gathered ones of
       ``1,8,512_512,512,256`` at 64/8 (256) 1.058-1.062x over 96 (0.90x over 80: a fourth
@@ -336,21 +334,21 @@ def persistent_tall(launches, work_kv_start: np.ndarray, work_kv_end: np.ndarray
       80-96, at 32/8 1.01x. A gathered program leaves room for a leaf program beside it, so its
       launch takes more SMs. Plans of smaller leaf launches lost: ``4,16,256,512_512,32,128,32``
       at 32/8 (leaves 0.39M entries x heads) 0.988x, ToT docmerge at 64/8 (0.17M) 0.938x,
-      ``1,50_4000,200`` at 32/8 (0.11M) 0.867x (h200_probe_persist_share.json): in a short plan
-      the tall launch's added rounds are its critical path. On trees outside the suite
-      (h200_probe_persist_share_unseen.json), gathered launches whose leaves read 3.56-3.88x
+      ``1,50_4000,200`` at 32/8 (0.11M) 0.867x: in a short plan
+      the tall launch's added rounds are its critical path. On trees outside the suite,
+      gathered launches whose leaves read 3.56-3.88x
       their KV gained 1.049-1.061x over one program a SM, those at 2.67x and 3.2x lost 0.904x
       and 0.985x: a launch with more of the plan's work needs more of the SMs. Checked on 39
-      further gathered plans at 32/8 and 64/8 (session 38, h200_probe_persist_threshold_*.json):
+      further gathered plans at 32/8 and 64/8:
       over the 33 whose leaves read under 3.5x, this rule is within 1.7% of the faster of the two
       on average (worst 6.7%), the partition everywhere 4.2% (worst 25%), and no feature tried
       (unit length, rounds) told the two apart better; over the six above it the partition gains
       1.029x.
 
     The persistent launch takes its :func:`persistent_tile` and the launches beside a gathered
-    one :func:`beside_persistent`'s tile (session 36); tall launches of a smaller footprint
+    one :func:`beside_persistent`'s tile; tall launches of a smaller footprint
     (contig 32-token tiles in 2-3 stages, gathered ones in 3-4, TMA tiles made contig) lost
-    0.53-0.99x (h200_probe_tall_footprint.json)."""
+    0.53-0.99x."""
     tall = [i for i, ln in enumerate(launches) if ln.block_m >= PERSIST_ROWS]
     if not tall or len(launches) < 2:
         return tuple(launches)

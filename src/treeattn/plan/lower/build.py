@@ -4,7 +4,6 @@ the lazy update patches)."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from treeattn.plan.lower.addressing import (
     contig_launches,
@@ -17,6 +16,7 @@ from treeattn.plan.lower.addressing import (
 from treeattn.plan.select.cost import CostModel
 from treeattn.plan.strategies.items import WorkItems, _indptr, group_order
 from treeattn.plan.lower.merge_config import merge_launch
+from treeattn.plan.lower.tensors import pack_int32
 from treeattn.plan.format import (
     HEADS_INNER_MIN_TOKENS,
     SHORT_ITEM_TOKENS,
@@ -57,39 +57,12 @@ def _pair_visibility(tree: DecodingTree, items: WorkItems, q_item: np.ndarray) -
     return csum[end] - csum[end - nseg]
 
 
-#: Plan index tensors start at multiples of this many int32 (64 bytes) of their shared buffer,
-#: keeping the pointer alignment the kernels are specialised for.
-_ALIGN = 16
 #: Above every KV position and key (np.iinfo is slow to call).
 _NEVER = int(np.iinfo(np.int64).max)
 #: Mean segment length from which the KV slot list is copied segment by segment.
 _SLICE_MIN_TOKENS = 256
 #: One tree-mask record (four int32) as a single numpy item.
 _RECORD = np.dtype((np.void, 16))
-
-
-def _to_tensors(arrays: dict, device) -> tuple[dict, dict]:
-    """int32 tensors on ``device`` for the arrays (``None`` stays ``None``; any shape) and their
-    int32 host copies, which CPU tensors share; other devices get them in one copy of one buffer."""
-    device = torch.device(device)
-    tensors = dict.fromkeys(arrays)
-    if device.type == "cpu":
-        host = {k: np.ascontiguousarray(a, dtype=np.int32) for k, a in arrays.items() if a is not None}
-        tensors.update((k, torch.from_numpy(h)) for k, h in host.items())
-        return tensors, host
-    spans, at = {}, 0
-    for k, a in arrays.items():
-        if a is not None:
-            spans[k] = (at, at + a.size)
-            at += -(-a.size // _ALIGN) * _ALIGN
-    buf = np.empty(at, dtype=np.int32)
-    host = {}
-    for k, (lo, hi) in spans.items():
-        host[k] = buf[lo:hi].reshape(arrays[k].shape)
-        host[k][...] = arrays[k]
-    dev = torch.from_numpy(buf).to(device)
-    tensors.update((k, dev[lo:hi].view(host[k].shape)) for k, (lo, hi) in spans.items())
-    return tensors, host
 
 
 def _slot_list(tree: DecodingTree, start: np.ndarray, count: np.ndarray,
@@ -193,7 +166,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`) gives the SM
     count that sizes the launches' pipelines (:func:`~treeattn.plan.lower.addressing.contig_launches`),
     decides :attr:`Plan.tall_first` and whether the last launch may merge
-    (:attr:`CostModel.merge_last_min_group`).
+    (the profile's :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`).
     """
     cost = cost or CostModel()
     topo = tree.topology
@@ -351,16 +324,16 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                                             tall_first=True))
     gather_launches = tuple(launches)
     launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
-                               heads.num_kv_heads, cost.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
+                               heads.num_kv_heads, cost.profile.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
                                unit_tokens=work_kv_end - work_kv_start)
     if tma_loads(heads, cost):
-        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms)
+        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.profile.num_sms)
     tall_first = cost.tall_first(longest_s)
     if tall_first and cost.pdl:
-        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.num_sms,
+        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.profile.num_sms,
                                    group=heads.group, elem_bytes=heads.elem_bytes,
-                                   share_gathered=cost.persist_share_gathered, share_tma=cost.persist_share_tma,
-                                   min_leaf_entries=cost.persist_min_leaf_entries)
+                                   share_gathered=cost.profile.persist_share_gathered, share_tma=cost.profile.persist_share_tma,
+                                   min_leaf_entries=cost.profile.persist_min_leaf_entries)
     launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
@@ -376,7 +349,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
         index=kv_tok_tiles * 4 * hkv,
         output=tree.num_queries * hq * d * eb,
     )
-    t, h = _to_tensors({
+    t, h = pack_int32({
         "kv_indices": kv_indices, "work_kv_start": work_kv_start, "work_kv_end": work_kv_end,
         "work_mask_start": work_mask_start,
         "work_row_indptr": work_row_indptr, "row_q_indices": row_q, "merge_indptr": merge_indptr,
@@ -415,5 +388,5 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       mask_tails=tail.searchsorted(work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
-                      gather_launches=gather_launches, num_sms=cost.num_sms, tree=tree),
+                      gather_launches=gather_launches, num_sms=cost.profile.num_sms, tree=tree),
     )

@@ -31,15 +31,13 @@ def merge_config(num_queries: int, num_heads: int, head_dim: int, max_rows: int 
                          1 << max(0, (num_queries * num_heads // 1024).bit_length() - 1)))
     if block_h >= 16:
         # many queries: 4 heads a program and 2 warps keep more rows' loads in flight than 16-32
-        # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees
-        # (benchmarks/sweep_merge.py, NOTES.md)
+        # heads a program; 1.08-1.10x on the suite's merges, up to 1.27x on deep trees (H200)
         return 4, 2, 0
     if block_h >= 8:
         return block_h, 4, 0
-    # few queries: their rows in one load of a row tile, one warp a program (probe_merge_rows.py,
-    # h100_probe_merge_rows.json: merges of 5-18 rows a query 1.4x faster or more, median 1.9x;
-    # 2 and 4 warps were slower, and so were row tiles in the two regimes above: 1.05-1.29x on the
-    # suite's plans of 256-1024 queries, NOTES.md session 29)
+    # few queries: their rows in one load of a row tile, one warp a program (on an H100, merges
+    # of 5-18 rows a query 1.4x faster or more, median 1.9x; 2 and 4 warps were slower, and so
+    # were row tiles in the two regimes above: 1.05-1.29x on the suite's plans of 256-1024 queries)
     return block_h, 1, merge_row_tile(max_rows, block_h, block_d, 1)
 
 
@@ -78,7 +76,7 @@ def merge_tiled(num_queries: int, num_heads: int, head_dim: int) -> bool:
 #: rows (H100).
 MERGE_LAST_MAX_ROWS = 4
 #: The tallest query tile of a launch that merges: the leaf launches of tall-first plans (16
-#: rows) gained; the one suite plan whose last launch had 64-row tiles lost 3.7% (session 31),
+#: rows) gained; the one suite plan whose last launch had 64-row tiles lost 3.7%,
 #: and a tall tile's fold would hold another [rows, D] fp32 block in registers.
 MERGE_LAST_MAX_BLOCK_M = 32
 

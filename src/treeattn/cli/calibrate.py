@@ -1,0 +1,136 @@
+"""``treeattn calibrate``: measure this GPU and write its device profile
+(:class:`~treeattn.plan.select.profiles.DeviceProfile`), which
+:func:`~treeattn.plan.select.profiles.profile_for` then gives every cost model on it.
+
+It reads the SM count, L2 and shared memory from the device's properties, times a large copy
+(the HBM bandwidth) and an empty kernel (the launch floor, reported: the fitted constants absorb
+it), and times the attention kernel under CUDA-graph replay on a few synthetic plans, from
+bandwidth-bound (one query per KV head, long items) to compute-bound (GQA group 8, tall query
+tiles), fitting the profile's memory and compute rates to them
+(:func:`~treeattn.plan.select.profiles.fit_rates`). The other constants keep the built-in
+profile's values. A few seconds on an H200.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from treeattn.cli.args import add_log_level
+
+#: (kernel-suite tree, query heads, KV heads, strategy): bandwidth-bound to compute-bound plans
+CASES = (("1,16_4096,32", 32, 32, "node"), ("1,64_8192,32", 32, 32, "sequence"),
+         ("1,4,16_2048,256,64", 32, 8, "node"), ("1,64_2048,32", 64, 8, "node"),
+         ("1,256_1024,32", 64, 8, "node"))
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="measure this GPU and write its device profile (CUDA)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="where to write the JSON profile (default: the per-device path profile_for reads)")
+    p.add_argument("--device", default="cuda", help="the CUDA device to measure, e.g. cuda:1")
+    add_log_level(p)
+    p.set_defaults(func=calibrate_command)
+
+
+def calibrate_command(args) -> int:
+    from treeattn.plan.select.profiles import profile_path, save_profile
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        return _fail(f"bad --device {args.device!r}: {e}")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _fail("calibrate measures a CUDA device, and none is available" if not torch.cuda.is_available()
+                     else f"calibrate measures a CUDA device, got --device {args.device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        return _fail(f"--device {args.device}: this host has {torch.cuda.device_count()} CUDA devices")
+    torch.cuda.set_device(device)
+    profile, report = calibrate(device)
+    path = save_profile(profile, args.out or profile_path(profile.name), provenance=report)
+    print(f"wrote the profile of {profile.name} to {path}: {profile.bandwidth / 1e12:.2f} TB/s, "
+          f"{profile.num_sms} SMs, memory rates x{report['fit']['memory_scale']:.3f}, "
+          f"compute rates x{report['fit']['compute_scale']:.3f} (rms log error "
+          f"{report['fit']['rms_log_error_before']:.3f} -> {report['fit']['rms_log_error_after']:.3f})")
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"treeattn calibrate: error: {message}", file=sys.stderr)
+    return 2
+
+
+def calibrate(device: torch.device) -> tuple:
+    """The fitted profile of CUDA ``device`` (the current device) and its provenance: device,
+    library versions, date, the measured bandwidth and launch floor, each case's time and the
+    fit's report."""
+    from treeattn.bench.timing import copy_bandwidth, provenance
+    from treeattn.plan.select.profiles import builtin_profile, device_facts, fit_rates
+
+    base = dataclasses.replace(builtin_profile(device_facts(device)), bandwidth=copy_bandwidth())
+    cases, timed = [], []
+    for spec, hq, hkv, strategy in CASES:
+        measured, predict = _time_case(spec, hq, hkv, strategy, base)
+        cases.append((measured, predict))
+        timed.append({"tree": spec, "heads": f"{hq}/{hkv}", "strategy": strategy, "measured_us": measured * 1e6,
+                      "predicted_us": predict(base) * 1e6})
+    profile, fit = fit_rates(base, cases)
+    for row, (_, predict) in zip(timed, cases):
+        row["fitted_us"] = predict(profile) * 1e6
+    report = {**provenance(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "copy_bandwidth": base.bandwidth, "launch_floor_s": _launch_floor(), "cases": timed, "fit": fit}
+    return profile, report
+
+
+def _time_case(spec: str, hq: int, hkv: int, strategy: str, base) -> tuple:
+    """Graph-replay seconds of one fp16 plan of ``spec`` (page size 1) at ``hq``/``hkv`` heads
+    (head_dim 128) in the wrapper's default launch mode, and ``predict(profile)``: the cost model's
+    seconds for the same work items under another profile."""
+    from treeattn import TreeAttention
+    from treeattn.bench.timing import capture
+    from treeattn.plan import PLANNERS, HeadConfig, make_plan
+    from treeattn.plan.select.estimate import estimate_items
+    from treeattn.tree import tree_from_spec
+
+    tree = tree_from_spec(spec)
+    heads = HeadConfig(hq, hkv, 128, torch.float16)
+    wrapper = TreeAttention(device="cuda")
+    cost = dataclasses.replace(wrapper.cost, profile=base)
+    items, _ = PLANNERS[strategy](tree, heads, cost)  # (what make_plan builds the plan of)
+    plan = make_plan(tree, heads, strategy=strategy, device="cuda", cost=cost)
+    q = torch.randn(tree.num_queries, hq, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(tree.num_tokens, 1, hkv, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    out = torch.empty_like(q)
+    graph = capture(wrapper, plan, q, k, v, out)
+    seconds = triton.testing.do_bench(graph.replay, return_mode="median") * 1e-3
+
+    def predict(profile) -> float:
+        return estimate_items(tree, items, heads, dataclasses.replace(cost, profile=profile))["total"]
+
+    return seconds, predict
+
+
+@triton.jit
+def _empty_kernel(x):
+    tl.debug_barrier()
+
+
+def _launch_floor(launches: int = 100) -> float:
+    """Seconds an empty kernel takes a launch, replayed in a CUDA graph of ``launches`` of them
+    (no host overhead: the GPU's own floor between dependent kernels)."""
+    from treeattn.bench.timing import capture_graph
+
+    x = torch.empty(1, device="cuda")
+
+    def launch_all():
+        for _ in range(launches):
+            _empty_kernel[(1,)](x)
+
+    graph = capture_graph(launch_all)
+    return triton.testing.do_bench(graph.replay, return_mode="median") * 1e-3 / launches
