@@ -170,7 +170,11 @@ class SamplingController(BranchController):
                 raise ValueError("forced_lengths needs eos_token_ids (the token it forces)")
 
     def query_counts(self) -> list:
-        return [] if self.cb != Callbacks() or self.eos else [self.n * len(self.prompts)]
+        total = self.n * len(self.prompts)
+        if self.cb.branch is not None:
+            return []               # (branching: the counts are the callbacks' to decide)
+        # rows only leave (EOS, pruning callbacks): every smaller batch can come
+        return list(range(1, total + 1)) if self.eos or self.cb != Callbacks() else [total]
 
     def start(self, engine) -> None:
         tree, seed = engine.tree, self.sampler.seed

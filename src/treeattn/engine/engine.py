@@ -126,6 +126,7 @@ class TreeEngine(SpeculativeSteps):
         if precompile or (precompile is None and self.device.type == "cuda"
                           and self.attention.backend == "triton"):
             self.precompile_kernels()
+            self._warm_model()
 
     # ------------------------------------------------------------------ logits
     def logits_of(self, node: int) -> torch.Tensor:
@@ -348,6 +349,16 @@ class TreeEngine(SpeculativeSteps):
         return self.attention.precompile(num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
                                          head_dim=h.head_dim, dtype=h.dtype, page_size=self.pool.page_size,
                                          workers=self.compile_workers)
+
+    def _warm_model(self) -> None:
+        """One tiny prefill and decode step, then a reset: the model's own kernels (fused layers,
+        prefill attention, GEMM handles) are compiled and loaded here rather than in a first run."""
+        root = self.tree.add_root()
+        self.prefill(root, [0] * 32)
+        kids = self.tree.branch(root, 2)
+        self.decode(kids, torch.zeros(2, dtype=torch.int64, device=self.device))
+        self.reset()
+        self.stats.clear()
 
     def prepare_graphs(self, counts) -> None:
         """Capture the CUDA graphs of steps with these numbers of new tokens now (checking each

@@ -249,11 +249,14 @@ class BestOfNController(SamplingController):
     prompts, n, sampler, max_new_tokens, eos_token_ids, prune_every
         As :class:`~treeattn.engine.controller.SamplingController`.
     keep_every : int
-        Steps between selections (each reads the running scores on the host: one synchronisation).
+        Steps between selections (the running scores reach the host by an asynchronous copy; the
+        dropped samples are pruned when it lands, within two steps).
     keep_fraction : float in (0, 1)
     min_keep : int
         Samples per prompt that selection never goes below.
     """
+
+    _LAG = 2    # steps a selection's pruning may wait for its scores' copy
 
     def __init__(self, prompts, *, n: int, keep_every: int = 8, keep_fraction: float = 0.5, min_keep: int = 1,
                  **kwargs):
@@ -263,11 +266,21 @@ class BestOfNController(SamplingController):
                              f"got {keep_every}, {keep_fraction}, {min_keep}")
         self.keep_every, self.keep_fraction, self.min_keep = keep_every, keep_fraction, min_keep
         self.selections = 0
+        self._pending = None    # (step, rows, their scores on the host, copy event) of a selection
 
     def _steps_to_event(self, step: int) -> int:
         return min(super()._steps_to_event(step), self.keep_every - step % self.keep_every)
 
     def _before_step(self, engine, step: int) -> None:
+        # a selection's scores reach the host through an asynchronous copy; the rows it drops are
+        # pruned once the copy has landed (at the latest ``_LAG`` steps later, or before stopping).
+        # Samples are independent streams, so pruning late changes no survivor's tokens.
+        if self._pending is not None:
+            at, rows, host, ev = self._pending
+            if ev.query() or step >= min(at + self._LAG, self.max_new_tokens):
+                ev.synchronize()
+                self._pending = None
+                self._select(engine.tree, rows, host.tolist())
         if step == 0 or step % self.keep_every or step >= self.max_new_tokens:
             return
         tree = engine.tree
@@ -276,15 +289,37 @@ class BestOfNController(SamplingController):
             return
         at = {n: i for i, n in enumerate(self._rows)}
         scores = self.running_logprobs().index_select(
-            0, upload(np.asarray([at[n] for n in rows]), engine.device)).tolist()
+            0, upload(np.asarray([at[n] for n in rows]), engine.device))
+        if not scores.is_cuda:
+            self._select(tree, rows, scores.tolist())
+            return
+        host = torch.empty(scores.shape, dtype=scores.dtype, pin_memory=True)
+        host.copy_(scores, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._pending = (step, rows, host, ev)
+
+    def _select(self, tree, rows: list, scores: list) -> None:
         groups: dict = {}
         for node, score in zip(rows, scores):
             groups.setdefault(_root_of(tree, node), []).append((score, node))
         for group in groups.values():
             keep = max(self.min_keep, int(np.ceil(len(group) * self.keep_fraction)))
             for _, node in sorted(group, key=lambda sn: -sn[0])[keep:]:
-                tree.prune(node)
+                if node in tree and not tree.is_done(node):
+                    tree.prune(node)
         self.selections += 1
+
+    def query_counts(self) -> list:
+        return list(range(1, self.n * len(self.prompts) + 1))
+
+    def result(self, engine) -> dict:
+        if self._pending is not None:
+            _, rows, host, ev = self._pending
+            ev.synchronize()
+            self._pending = None
+            self._select(engine.tree, rows, host.tolist())
+        return super().result(engine)
 
 
 def _root_of(tree, node: int) -> int:
