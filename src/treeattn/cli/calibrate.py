@@ -104,6 +104,9 @@ def _time_case(spec: str, hq: int, hkv: int, strategy: str, base) -> tuple:
     cost = dataclasses.replace(wrapper.cost, profile=base)
     items, _ = PLANNERS[strategy](tree, heads, cost)  # (what make_plan builds the plan of)
     plan = make_plan(tree, heads, strategy=strategy, device="cuda", cost=cost)
+    # a wrapper whose workspace holds the plan's partial results (plan() would size it; make_plan does not)
+    wrapper = TreeAttention(torch.empty(max(plan.workspace_bytes() // 4, 1), dtype=torch.float32, device="cuda"),
+                            device="cuda")
     q = torch.randn(tree.num_queries, hq, 128, device="cuda", dtype=torch.float16)
     k, v = (torch.randn(tree.num_tokens, 1, hkv, 128, device="cuda", dtype=torch.float16) for _ in range(2))
     out = torch.empty_like(q)
