@@ -89,6 +89,7 @@ def test_run_reports_bad_inputs(tmp_path, capsys):
     assert "tokenizer.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_e2e_cpu_smoke(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     assert cli(["bench", "e2e", "--random-weights", "tiny", "--device", "cpu", "--steps", "3",
@@ -156,6 +157,7 @@ def test_bench_e2e_cuda_smoke(tmp_path):
             assert r["tuning"] is None      # measured auto is opt-in (--tune)
 
 
+@pytest.mark.slow
 def test_demo_runs_a_tree_of_thoughts(capsys):
     assert cli(["demo", "--template", "keyword", "--scale", "0.05"]) == 0
     out = capsys.readouterr().out
