@@ -192,6 +192,7 @@ def test_pool_stays_consistent_after_errors():
     pool.check()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("s", [1, 16, 37])
 def test_merge_states_many_rows_matches_torch(device, s):
     """Queries with many partial rows, one of them with no KV at all, against the torch backend."""
@@ -208,6 +209,7 @@ def test_merge_states_many_rows_matches_torch(device, s):
     assert rel_l2(mo[keep], ro[keep]) <= 1e-5 and rel_l2(ml[keep], rl[keep]) <= 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_h,num_warps,row_tile", [(4, 2, 0), (1, 1, 0), (2, 1, 2), (1, 1, 4), (None, None, 32)])
 def test_merge_states_launch_configs_match_torch(device, block_h, num_warps, row_tile):
     """The merge's other launch configs: the row loop (4 heads and 2 warps a program: what many
@@ -240,6 +242,7 @@ def test_merge_config_tiles():
     assert merge_config(64, 32, 128, 18) == (2, 1, 16)  # (2 heads of 128 a warp: at most 16 rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["sequence", "greedy", "flatten"])
 def test_layer_read_on_the_device_selects_that_layers_caches(strategy, device):
     """``run(..., layer=t, layer_stride=s)`` over layer 0's caches equals running on layer

@@ -9,6 +9,7 @@ import torch
 from treeattn.cli.main import build_parser, main, version
 
 
+@pytest.mark.slow
 def test_attention_on_a_suite_tree(capsys):
     assert main(["attention", "--tree", "1,4,8_300,40,9", "--heads", "8/2", "--head-dim", "64"]) == 0
     out = capsys.readouterr().out
@@ -16,11 +17,13 @@ def test_attention_on_a_suite_tree(capsys):
         assert s in out
 
 
+@pytest.mark.slow
 def test_attention_on_a_tot_template(capsys):
     assert main(["attention", "--template", "docmerge", "--heads", "4/4", "--head-dim", "64"]) == 0
     assert "Tree-of-Thoughts template 'docmerge'" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "treeattn.cli.main", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and all(c in proc.stdout for c in ("demo", "run", "attention", "bench"))

@@ -156,6 +156,7 @@ def test_gathered_tall_launches_take_the_tall_gathered_tile():
     assert gathered_configs(64, 64, 4, 3, elem_bytes=2) == [(64, 4, 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside", [0, 12])
 def test_tall_gathered_kernel_matches_reference(rng, device, inside):
     """The root of ``1,20_100,5`` (one 128-row tile, 64-token KV tiles planned) with its slots
@@ -207,6 +208,7 @@ def test_node_plan_of_a_fresh_pool_computes_its_addresses():
     assert all(ln.contig for ln in plan.launches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("strategy", ["node", "sequence", "greedy"])
 def test_contig_kernel_matches_reference(rng, device, strategy, page_size):

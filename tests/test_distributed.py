@@ -143,6 +143,7 @@ def _spawn(world: int, tmp_path) -> list[dict]:
     return spawn_ranks(_worker, world, (world, str(tmp_path / "init"), str(tmp_path)), tmp_path, timeout=150.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_gloo(world, tmp_path):
     res = _spawn(world, tmp_path)

@@ -108,6 +108,7 @@ def _branch_and_prune() -> Callbacks:
     return Callbacks(branch=branching.branch, prune=prune, horizon=horizon)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sampled_tree_leaf_logits_match_transformers(tiny, model, strategy):
     hf, _ = tiny
@@ -328,6 +329,7 @@ def test_cuda_graphs_survive_a_bigger_bucket(tiny):
     assert not eng.graphs.disabled and eng.graphs.max_diff < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["flatten", "sequence"])
 def test_triton_decode_windows_match_transformers(tiny, strategy):
     """Decode windows plan several steps at once and lower each query's prefix after planning, so

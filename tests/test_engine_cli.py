@@ -103,6 +103,7 @@ def test_run_reports_bad_inputs(tmp_path, capsys):
     assert out.exists() and capsys.readouterr().out.startswith("accepted (")
 
 
+@pytest.mark.slow
 def test_bench_e2e_cpu_smoke(tmp_path):
     out, png = tmp_path / "e2e.json", tmp_path / "e2e.png"
     assert cli(["bench", "e2e", "--random-weights", "tiny", "--device", "cpu", "--steps", "3",

@@ -80,6 +80,7 @@ def _spawn(world: int, tmp_path) -> list[dict]:
     return spawn_ranks(_worker, world, (world, free_port(), str(tmp_path)), tmp_path, timeout=90.0)
 
 
+@pytest.mark.slow
 def test_sharded_engine_matches_single_process(tmp_path):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -131,6 +132,7 @@ def test_world_size_needs_torchrun(monkeypatch):
         init_distributed(2, "cpu")
 
 
+@pytest.mark.slow
 def test_cli_world_size_under_torchrun(tmp_path):
     """``treeattn run --world-size 2`` under torchrun (gloo): rank 0 alone writes the JSON, whose
     leaves equal a single-process run's."""

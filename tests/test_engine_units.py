@@ -379,6 +379,7 @@ def test_auto_decision_is_reused_across_similar_batches_and_not_across_sharing()
     assert planner.plan(batch(6, 6000, 100)).requested_strategy == "auto"  # 10x the sharing
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["greedy", "node", "flatten", "sequence"])
 def test_window_plans_mask_the_launches_that_read_hidden_slots(strategy, rng, device):
     """A decode window plans with every query seeing its own node's reserved slots and lowers each

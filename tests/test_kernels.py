@@ -51,6 +51,7 @@ def on_device(*tensors):
     return [t.to(DEVICE) for t in tensors]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,tree_name,dtype,heads,head_dim,page_size", _cases())
 def test_triton_matches_float64_reference(rng, strategy, tree_name, dtype, heads, head_dim, page_size):
     tree = TREES[tree_name](rng)
@@ -106,6 +107,7 @@ def test_sm_scale_and_large_logits(rng):
     assert rel_l2(out, reference_attention(q, k, v, tree, sm_scale=0.3)[0]) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @settings(max_examples=4)
 @given(tree=forests(max_nodes=30, max_len=40), page_size=st.sampled_from(PAGES),
@@ -121,6 +123,7 @@ def test_triton_random_forests(strategy, tree, page_size, seed):
     assert rel_l2(w.run(*on_device(q, kc, vc), plan), reference_attention(q, kc, vc, paged)[0]) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @given(tree=forests(max_nodes=300, max_len=300), page_size=st.sampled_from(PAGES),
        seed=st.integers(0, 2**31))
@@ -155,6 +158,7 @@ def test_heads_inner_grid_order_matches_reference(rng, device, strategy, spec, h
     assert rel_l2(out, o_ref) <= 1e-4 and rel_l2(lse, lse_ref) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,spec,hkv", [("sequence", "3_600", 2), ("node", "1,4_300,70", 4),
                                                ("pack", "1,3_129,33", 1), ("flatten", "1,3_40,9", 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -199,6 +203,7 @@ def test_whole_tiles_with_growing_scores_match_reference(device, dtype, ramp):
     _assert_split_tails_match_reference(tree, *(t.to(dtype).to(device) for t in (q, k, v)), "node")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,spec", [("node", "1,4,16_300,40,9"), ("pack", "2,8_300,20"), ("flatten", "2,8_64,20")])
 def test_tall_first_launch_order_matches_reference(rng, device, strategy, spec):
     """Running a plan's launches tallest first (``Plan.tall_first``: the builder sets it when a
@@ -216,6 +221,7 @@ def test_tall_first_launch_order_matches_reference(rng, device, strategy, spec):
     assert rel_l2(out.double(), o_ref) <= 1e-4 and rel_l2(lse.double(), lse_ref) <= 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,spec,tall_first", [
     ("node", "2,8_300,20", False), ("greedy", "1,4,16_300,40,9", True), ("node", "1,20_400,20", True),
     ("node_chunk", "1,2,8_40,24,5", False), ("flatten", "2,8_30,9", True), ("flatten", "2,8_300,20", False),
@@ -373,6 +379,7 @@ def test_single_row_queries_skip_the_merge(rng, device, strategy, spec):
         assert plan.num_direct > 0 and merged > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_balance_split_of_a_verification_tree(rng, device, dtype):
     """Tall query tiles over one long context among tiny draft-token items: greedy splits the
@@ -391,6 +398,7 @@ def test_greedy_balance_split_of_a_verification_tree(rng, device, dtype):
     assert rel_l2(lse, lse_ref) <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 def test_packed_leaf_items_match_float64_reference(rng, device, hq, hkv):
     """Leaf items packed 2 and 4 per work item run in the Triton kernel (the interpreter on CPU):

@@ -37,6 +37,7 @@ def persistent(plan, programs: int):
                                                     for ln in plan.launches))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["node", "paths", "greedy", "flatten"])
 @pytest.mark.parametrize("inner", [False, True])
 def test_persistent_launches_match_reference(rng, device, strategy, inner):
@@ -179,6 +180,7 @@ def gapped_tree() -> DecodingTree:
                                      page_size=1, num_slots=int(starts[-1]) + 64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("follow", [True, False])
 def test_plan_beside_a_persistent_launch_matches_reference_and_updates(rng, device, follow):
     """A plan with a persistent 64-row launch at its persistent tile and 16-row leaves beside it at

@@ -64,12 +64,14 @@ def check_plan(tree: DecodingTree, strategy: str, heads: HeadConfig = HEADS):
     return plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @given(tree=forests(max_nodes=300, max_len=300))
 def test_random_forests(strategy, tree):
     check_plan(tree, strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("spec", suite_trees("all"))
 def test_scaled_kernel_suite(strategy, spec):
@@ -354,12 +356,14 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
                 assert not n or merge_config(n, hq, d, p.merge_rows_max) in merges, (strategy, heads, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", PRECOMPILE_HEADS, ids=str)
 @given(tree=forests(max_nodes=300, max_len=300))
 def test_precompile_covers_random_forests(heads, tree):
     assert_precompiled(tree, heads, STRATEGIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", suite_trees("all"))
 def test_precompile_covers_the_kernel_suite(spec):
     """The suite's trees at full size (tall query tiles, long runs that take TMA)."""

@@ -121,6 +121,7 @@ def test_deep_gqa_trees_read_each_query_once():
     assert plan.io.queries == tree.num_queries * heads.num_qo_heads * heads.head_dim * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
 def test_variants_match_float64_reference(rng, device, hq, hkv):
     """Whole tiles, tiles with long nodes apart and tiles whose leads are split into KV chunks run
@@ -145,6 +146,7 @@ def test_trunk_tokens():
     assert trunk_tokens(DecodingTree.from_parents([-1, 0], [50, 7], query_nodes=[0, 1], query_prefix=[20, 7])) == 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (8, 1)])
 def test_trunk_leads_cut_into_chunks_match_float64_reference(rng, device, hq, hkv):
     """A token tree over one context: its tiles' leads (the context) are also cut into a few
@@ -176,6 +178,7 @@ def test_run_tokens():
     assert run_tokens(forest).tolist() == [2, 2, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (16, 4)])
 def test_trunk_leads_keep_to_runs_of_slots_and_match_float64_reference(device, hq, hkv):
     """A token tree whose shared first drafts lie in scratch slots after a context of consecutive

@@ -43,6 +43,7 @@ def test_precompile_covers_every_variant(recorded):
         (2 * 2 + 2 * 2 * 2) * configs + (2 + 2 * 2) * short + 2 * 2 * tall + 2 * (3 * 5 + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_precompile_variants_run(device, page_size):
     """The variants run on their dummy data, pages of one token included: on a GPU every one of
@@ -77,6 +78,7 @@ def test_workers_compile_only_on_cuda(recorded, monkeypatch):
     assert precompile(heads, page_size=16, device="cpu", workers=4) == len(recorded) > 0
 
 
+@pytest.mark.slow
 def test_failed_worker_raises_naming_it():
     """A worker that cannot compile (here: no CUDA device) fails the call with its error, not a hang."""
     if torch.cuda.is_available():

@@ -133,6 +133,7 @@ def test_time_budget_skips_everything(sweep, tmp_path):
         (s, r) for s in ("auto", "sequence") for r in (1.0, 2.0)}
 
 
+@pytest.mark.slow
 def test_sweep_end_to_end_tiny(sweep, tmp_path):
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--rates", "4", "--duration", "2",

@@ -99,6 +99,7 @@ def tma_attention(device) -> TreeAttention:
     return TreeAttention(device=device, backend="triton", cost=CostModel(tma=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_tma_kernel_matches_reference(device, dtype, page_size):
@@ -120,6 +121,7 @@ def test_tma_kernel_matches_reference(device, dtype, page_size):
     assert rel_l2(attn.run(*args, pointers), ref) <= TOL[dtype]
 
 
+@pytest.mark.slow
 def test_tma_reads_the_layer_given_on_the_device(device):
     """Stacked caches of 3 layers, the layer index a device tensor: the descriptors' rows run
     through every layer's slots."""
@@ -136,6 +138,7 @@ def test_tma_reads_the_layer_given_on_the_device(device):
         assert rel_l2(out, reference_attention(q, k[layer], v[layer], tree)[0]) <= TOL[torch.float16]
 
 
+@pytest.mark.slow
 def test_tma_falls_back_to_pointers_where_the_layout_rules_descriptors_out(device):
     """Heads not adjacent (a slice of wider rows), K and V strided differently, or layers not a
     whole number of slots apart: no descriptors, the same output."""
@@ -176,6 +179,7 @@ def test_update_keeps_the_tma_tile(device):
     assert rel_l2(attn.run(*[t.to(device, torch.float16) for t in (q, k[0], v[0])], updated), ref) <= TOL[torch.float16]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_lead_chunks_on_runs_take_tma_as_rated(device, dtype):
     """A Medusa tree of 64 drafts over a 2500-token context in consecutive slots, its drafts in
