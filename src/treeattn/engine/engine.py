@@ -52,7 +52,7 @@ class TreeEngine(SpeculativeSteps):
     pdl : bool or None
         Attention launches as programmatic dependent launches (:class:`~treeattn.TreeAttention`);
         None (default): on Hopper and later GPUs with the Triton backend. Measured on an H200
-        (``bench e2e``, benchmarks/NOTES.md session 18): ``auto``'s attention 4.6-17% less time a step.
+        (``bench e2e``): ``auto``'s attention 4.6-17% less time a step.
     synchronize : bool
         Wait for the device after every step (accurate per-step wall times, no overlap).
     keep_reserved : bool
@@ -65,7 +65,7 @@ class TreeEngine(SpeculativeSteps):
         still plans and enqueues a step while the GPU runs the one before, and back-to-back steps
         run at their isolated GPU time. Unbounded, the host (2-3 ms a ToT step) ran many steps
         ahead of the GPU (5.6 ms), and the GPU took 5-12% longer a step than in isolation
-        (H200, ``benchmarks/probe_inflight.py``, benchmarks/NOTES.md session 24).
+        (measured on an H200).
     precompile : bool or None
         Compile every attention-kernel variant the model's plans can take when the engine is
         created (:meth:`precompile_kernels`), so that no decode step waits for Triton's JIT and
@@ -73,8 +73,7 @@ class TreeEngine(SpeculativeSteps):
     compile_workers : int or None
         Processes that :meth:`precompile_kernels` compiles in on a GPU (each holds a CUDA context
         while it runs; 0: this process); None: one a CPU core, up to 16. 408 variants of
-        Llama-3-8B took 54-65 s with 14 on an H100 host, over 393 s in one process (session 32;
-        342 since its plans no longer merge in their last launch, session 33).
+        Llama-3-8B took 54-65 s with 14 on an H100 host, over 393 s in one process.
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,

@@ -235,6 +235,6 @@ class AttentionGraph:
         one stream, back-to-back decode steps ran 10-20% slower than the same steps issued behind
         a GPU sleep (H200, CUDA 13; more so later in a process). A timing event (or any kernel)
         after each replay removes most of that (ToT sorting 6.28 -> 5.60 ms a step); a plain event,
-        or the same wait on the host, does not (benchmarks/probe_late_gaps.py, NOTES.md)."""
+        or the same wait on the host, does not."""
         graph.replay()
         self._barrier.record()
