@@ -171,7 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def server_command(args, strategy: str, port: int) -> list:
     """``python -m treeattn.cli.main serve ...`` for one strategy (model arguments passed through)."""
-    cmd = [sys.executable, "-m", "treeattn.cli.main", "serve"]
+    cmd = [sys.executable, "-m", "treeattn.cli", "serve"]
     cmd += ["--model", args.model] if args.model else ["--random-weights", args.random_weights]
     if args.device:
         cmd += ["--device", args.device]

@@ -25,7 +25,7 @@ def test_attention_on_a_tot_template(capsys):
 
 @pytest.mark.slow
 def test_console_script_entry_point():
-    proc = subprocess.run([sys.executable, "-m", "treeattn.cli.main", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "treeattn.cli", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and all(c in proc.stdout for c in ("demo", "run", "attention", "bench"))
 
 

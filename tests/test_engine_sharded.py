@@ -145,11 +145,11 @@ def test_cli_world_size_under_torchrun(tmp_path):
     args = ["run", "--random-weights", "tiny", "--device", "cpu", "--workload", "sample", "--greedy",
             "--prompt-ids", "1,2,3,4,5,6,7;9,8", "--branch-every", "3", "--max-new-tokens", "6", "--quiet",
             "--page-size", "4"]
-    one = subprocess.run([sys.executable, "-m", "treeattn.cli.main", *args, "--json", str(tmp_path / "w1.json")],
+    one = subprocess.run([sys.executable, "-m", "treeattn.cli", *args, "--json", str(tmp_path / "w1.json")],
                          env=env, capture_output=True, text=True, timeout=60, check=False)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), "-m", "treeattn.cli.main", *args, "--world-size", "2",
+                          "--master-port", str(free_port()), "-m", "treeattn.cli", *args, "--world-size", "2",
                           "--json", str(tmp_path / "w2.json")], env=env, capture_output=True, text=True,
                          timeout=90, check=False)
     assert two.returncode == 0, two.stderr[-2000:]
@@ -157,6 +157,6 @@ def test_cli_world_size_under_torchrun(tmp_path):
     a, b = (json.loads((tmp_path / f"w{n}.json").read_text()) for n in (1, 2))
     assert b["world_size"] == 2
     assert [leaf["tokens"] for leaf in b["leaves"]] == [leaf["tokens"] for leaf in a["leaves"]]
-    bad = subprocess.run([sys.executable, "-m", "treeattn.cli.main", *args, "--world-size", "2"], env=env,
+    bad = subprocess.run([sys.executable, "-m", "treeattn.cli", *args, "--world-size", "2"], env=env,
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "torchrun" in bad.stderr

@@ -101,13 +101,13 @@ def test_server_delta_derives_sharing_and_prefill_share(sweep):
 
 
 def test_server_command_passes_model_args(sweep):
-    args = sweep.parse_args(["--random-weights", "llama3-8b", "--device", "cuda", "--dtype", "bfloat16",
+    args = sweep.parse_args(["--random-weights", "llama3-8b", "--device", "cpu", "--dtype", "bfloat16",
                              "--kv-tokens", "1000", "--page-size", "32", "--rates", "2,0.5", "--out", "x.json"])
     assert args.rate_list == [0.5, 2.0] and args.strategy_list == ["auto", "sequence"]
     cmd = sweep.server_command(args, "sequence", 8123)
-    assert cmd[1:4] == ["-m", "treeattn.cli.main", "serve"]
+    assert cmd[1:4] == ["-m", "treeattn.cli", "serve"]
     line = " ".join(cmd)
-    for part in ("--random-weights llama3-8b", "--device cuda", "--dtype bfloat16", "--kv-tokens 1000",
+    for part in ("--random-weights llama3-8b", "--device cpu", "--dtype bfloat16", "--kv-tokens 1000",
                  "--page-size 32", "--strategy sequence", "--port 8123", "--prefix-block 64",
                  "--max-model-len 8192"):
         assert part in line
