@@ -1,7 +1,7 @@
 """Online serving sweep (PAT Fig. 11 style): PAT's conversation trace replayed against
 ``treeattn serve`` at several Poisson request rates, once per attention strategy.
 
-For every strategy the script starts ``python -m treeattn.cli.main serve --strategy S ...`` as a
+For every strategy the script starts ``python -m treeattn.cli serve --strategy S ...`` as a
 subprocess (its log goes next to ``--out``), waits for ``GET /health``, warms it up, then replays
 the trace at each rate in ascending order with :func:`treeattn.bench.serve.bench_serve` (streaming
 requests, ``ignore_eos``), waits until the server is idle before the next rate, and stops the
@@ -170,7 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def server_command(args, strategy: str, port: int) -> list:
-    """``python -m treeattn.cli.main serve ...`` for one strategy (model arguments passed through)."""
+    """``python -m treeattn.cli serve ...`` for one strategy (model arguments passed through)."""
     cmd = [sys.executable, "-m", "treeattn.cli", "serve"]
     cmd += ["--model", args.model] if args.model else ["--random-weights", args.random_weights]
     if args.device:
