@@ -160,3 +160,25 @@ def scratch_medusa(size: int, ctx: int, scratch: int) -> DecodingTree:
     kv[ctx:] += scratch - ctx
     return DecodingTree.from_parents(base.parents, base.lengths, kv_indices=kv, query_nodes=base.query_nodes,
                                      query_prefix=base.query_prefix)
+
+
+def save_tiny_llama(path, *, vocab: int = 256, seed: int = 0, tokenizer: bool = False):
+    """A tiny random transformers Llama (2 layers, hidden 64, 4 query / 1 KV heads, no EOS) saved in
+    ``path``, with a word-level ``tokenizer.json`` of tokens ``t0 .. t{vocab-1}`` when asked.
+    Returns the transformers model."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(path, safe_serialization=True)
+    if tokenizer:
+        import tokenizers
+
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        tok.save(str(path / "tokenizer.json"))
+    return hf

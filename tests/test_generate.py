@@ -1,6 +1,5 @@
 """The engine's user API (generate, beam_search), counter-based seeded sampling and EOS pruning at
 prune points, on a tiny random Llama against transformers (fp32, CPU, torch attention backend)."""
-import shutil
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from treeattn.engine import Sampler, SamplingController, TreeEngine, TreeModel  # noqa: E402
 from treeattn.engine.sampling import sample_streams  # noqa: E402
+from helpers import save_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 256
@@ -19,20 +19,10 @@ VOCAB = 256
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(HF model, model dir, model dir with a word-level tokenizer of tokens ``t0 .. t255``)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
     plain = tmp_path_factory.mktemp("tiny_llama")
-    hf.save_pretrained(plain, safe_serialization=True)
+    hf = save_tiny_llama(plain, vocab=VOCAB)
     with_tok = tmp_path_factory.mktemp("tiny_llama_tok")
-    for f in plain.iterdir():
-        shutil.copy(f, with_tok / f.name)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.save(str(with_tok / "tokenizer.json"))
+    save_tiny_llama(with_tok, vocab=VOCAB, tokenizer=True)     # (the same seed: the same weights)
     return hf, plain, with_tok
 
 

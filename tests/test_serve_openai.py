@@ -28,6 +28,7 @@ pytest.importorskip("prometheus_client")
 
 from treeattn.engine import TreeEngine, TreeModel  # noqa: E402
 from treeattn.serve import Scheduler  # noqa: E402
+from helpers import save_tiny_llama  # noqa: E402
 from treeattn.serve.chat import ChatTemplate  # noqa: E402
 from treeattn.serve.server import ServerThread, create_app  # noqa: E402
 
@@ -41,17 +42,8 @@ MESSAGES = [{"role": "system", "content": "t20 t21"}, {"role": "user", "content"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(HF model, model dir with tokenizer.json and a chat template in tokenizer_config.json)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
     d = tmp_path_factory.mktemp("tiny_chat")
-    hf.save_pretrained(d, safe_serialization=True)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.save(str(d / "tokenizer.json"))
+    hf = save_tiny_llama(d, vocab=VOCAB, tokenizer=True)
     (d / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t100", "eos_token": "t101", "chat_template": TEMPLATE}))
     return hf, d
