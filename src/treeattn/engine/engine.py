@@ -122,6 +122,9 @@ class TreeEngine(SpeculativeSteps):
         self._verify: tuple | None = None
         self._depth: tuple | None = None
         self._compiled = False
+        #: seconds :meth:`precompile_kernels` took and the launches it made in this process (0
+        #: until it ran: on a GPU the engine runs it at creation)
+        self.compile_s, self.compiled_launches = 0.0, 0
         if precompile or (precompile is None and self.device.type == "cuda"
                           and self.attention.backend == "triton"):
             self.precompile_kernels()
@@ -344,10 +347,12 @@ class TreeEngine(SpeculativeSteps):
         if self._compiled:
             return 0
         self._compiled = True
-        h = self.planner.heads
-        return self.attention.precompile(num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads,
-                                         head_dim=h.head_dim, dtype=h.dtype, page_size=self.pool.page_size,
-                                         workers=self.compile_workers)
+        h, t0 = self.planner.heads, time.perf_counter()
+        self.compiled_launches = self.attention.precompile(
+            num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, dtype=h.dtype,
+            page_size=self.pool.page_size, workers=self.compile_workers)
+        self.compile_s = time.perf_counter() - t0
+        return self.compiled_launches
 
     def _warm_model(self) -> None:
         """One tiny prefill and decode step, then a reset: the model's own kernels (fused layers,
