@@ -125,19 +125,29 @@ class Sampler:
         u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
         return -torch.log(-torch.log(u))
 
-    def sample(self, logits: torch.Tensor, *, streams: torch.Tensor, step: int) -> torch.Tensor:
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """float32 ``[n, V]``: what :meth:`sample` and :meth:`logprobs` draw from and rate against:
+        :meth:`scores`, or the logits themselves when greedy. Pass it to both to compute it once."""
+        return logits.float() if self.greedy else self.scores(logits)
+
+    def sample(self, logits: torch.Tensor, *, streams: torch.Tensor, step: int,
+               filtered: torch.Tensor | None = None) -> torch.Tensor:
         """int64 ``[n]`` tokens from ``logits [n, V]``; row ``i`` uses stream ``streams[i]`` (int64,
-        on ``logits``' device) at decode step ``step``, so it depends on nothing else in the batch."""
+        on ``logits``' device) at decode step ``step``, so it depends on nothing else in the batch.
+        ``filtered``: :meth:`filtered` of ``logits``, when already computed."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
         if self.greedy:
             return logits.argmax(dim=-1)
-        return (self.scores(logits) + self.gumbel(streams, step, logits.shape[-1])).argmax(dim=-1)
+        x = self.scores(logits) if filtered is None else filtered
+        return (x + self.gumbel(streams, step, logits.shape[-1])).argmax(dim=-1)
 
-    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, *,
+                 filtered: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[n]``: log-probability of ``tokens [n]`` under the distribution sampled from
-        (temperature-scaled and filtered; greedy: the model's own distribution, temperature 1)."""
-        x = logits.float() if self.greedy else self.scores(logits)
+        (temperature-scaled and filtered; greedy: the model's own distribution, temperature 1).
+        ``filtered``: :meth:`filtered` of ``logits``, when already computed."""
+        x = self.filtered(logits) if filtered is None else filtered
         return torch.log_softmax(x, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
