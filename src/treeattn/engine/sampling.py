@@ -15,7 +15,7 @@ import hashlib
 import numpy as np
 import torch
 
-__all__ = ["Sampler", "sample_streams"]
+__all__ = ["Sampler", "gumbel_noise", "sample_streams"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B1
@@ -42,6 +42,17 @@ def _mix32_int(x: int) -> int:
     x ^= x >> 15
     x = (x * 0x846CA68B) & _MASK32
     return x ^ (x >> 16)
+
+
+def gumbel_noise(streams: torch.Tensor, counter, vocab: int) -> torch.Tensor:
+    """float32 ``[n, vocab]`` standard Gumbel noise of ``streams`` (int64 ``[n]``) under ``counter``:
+    the hashed (step, seed) of every row, an int or an int64 ``[n]`` tensor in ``[0, 2**32)``."""
+    base = _mix32((streams & _MASK32) ^ counter)
+    v = (torch.arange(vocab, device=streams.device, dtype=torch.int64) * _GOLDEN32) & _MASK32
+    h = _mix32(_mix32(base[:, None] ^ v[None, :]))
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32, so U stays inside (0, 1)
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(-torch.log(u))
 
 
 def sample_streams(seed: int, prompt, count: int, *, first: int = 0) -> np.ndarray:
@@ -118,12 +129,7 @@ class Sampler:
 
     def gumbel(self, streams: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
         """float32 ``[n, vocab]`` standard Gumbel noise of ``streams`` (int64 ``[n]``) at ``step``."""
-        base = _mix32((streams & _MASK32) ^ _mix32_int(step * _GOLDEN32 + self.seed))
-        v = (torch.arange(vocab, device=streams.device, dtype=torch.int64) * _GOLDEN32) & _MASK32
-        h = _mix32(_mix32(base[:, None] ^ v[None, :]))
-        # 23 bits: (k + 0.5) / 2**23 is exact in float32, so U stays inside (0, 1)
-        u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-        return -torch.log(-torch.log(u))
+        return gumbel_noise(streams, _mix32_int(step * _GOLDEN32 + self.seed), vocab)
 
     def filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """float32 ``[n, V]``: what :meth:`sample` and :meth:`logprobs` draw from and rate against:

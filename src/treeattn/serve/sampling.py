@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from treeattn.engine.planning import upload
-from treeattn.engine.sampling import _GOLDEN32, _MASK32, _mix32
+from treeattn.engine.sampling import _GOLDEN32, _MASK32, _mix32, gumbel_noise
 
 __all__ = ["RowOptions", "StepChoice", "choose_tokens"]
 
@@ -70,12 +70,7 @@ class StepChoice:
 
 def _gumbel(seeds: torch.Tensor, streams: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 ``[n, vocab]``: :meth:`Sampler.gumbel` with a seed and a step per row."""
-    counter = _mix32((steps * _GOLDEN32 + seeds) & _MASK32)
-    base = _mix32((streams & _MASK32) ^ counter)
-    v = (torch.arange(vocab, device=streams.device, dtype=torch.int64) * _GOLDEN32) & _MASK32
-    h = _mix32(_mix32(base[:, None] ^ v[None, :]))
-    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
+    return gumbel_noise(streams, _mix32((steps * _GOLDEN32 + seeds) & _MASK32), vocab)
 
 
 def _penalised(logits: torch.Tensor, opt: RowOptions) -> torch.Tensor:
