@@ -146,6 +146,31 @@ def test_decode_windows_without_callbacks_match(tiny, model):
     assert sum(s.plan_ms > 0 for s in eng.stats) == 3      # 20 steps in windows of 8
 
 
+def test_next_windows_are_planned_in_the_background(tiny, model, monkeypatch):
+    """Windows after the first are planned on the planning thread while the one before runs
+    (TreeEngine.plan_ahead): same logits, one plan on the caller's thread. With EOS, the leaves a
+    prune point keeps are announced once the finished flags land, so those windows are too."""
+    hf, _ = tiny
+    eng = TreeEngine(model, strategy="flatten", page_size=4, kv_tokens=4096, window=8)
+    calls = []
+    plan = eng.planner.plan
+    monkeypatch.setattr(eng.planner, "plan", lambda *a, **k: calls.append(1) or plan(*a, **k))
+    leaves = eng.run(SamplingController([list(range(1, 30))], n=3, sampler=Sampler(seed=5),
+                                        max_new_tokens=20))["leaves"]
+    check_leaves(hf, leaves)
+    assert len(calls) == 1 and sum(s.plan_ms > 0 for s in eng.stats) == 3
+    eng.reset()
+    calls.clear()
+    ctl = SamplingController([list(range(1, 12)), [5, 6, 7]], n=3, sampler=Sampler(seed=1), max_new_tokens=24,
+                             eos_token_ids=[3], prune_every=4, forced_lengths=[[2, 9, 30], [5, 14, 30]])
+    leaves = eng.run(ctl)["leaves"]
+    check_leaves(hf, leaves)
+    assert sum(leaf["finished"] for leaf in leaves) >= 4 and len(calls) == 1     # 6 windows of 4 steps
+    eng.reset()
+    eng.pool.check()
+    assert eng.pool.num_free_pages == eng.pool.num_pages
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path (CPU tensors); on a GPU host "
                     "test_cuda_engine_matches_transformers runs the kernels")
 def test_triton_interpreter_decode(tiny, model):

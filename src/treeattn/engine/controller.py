@@ -199,6 +199,7 @@ class SamplingController(BranchController):
         self._lp_steps: list = []              # float32 [rows] of every step
         self._lp_refs: dict = {n: [] for n in leaves}   # node -> (step, row) of its generated tokens
         self._pending: _Snapshot | None = None
+        self._announced = False                # the engine knows the next prune point's leaves
 
     # ------------------------------------------------------------------ rows
     def _sync_rows(self, engine, leaves: list) -> None:
@@ -232,23 +233,35 @@ class SamplingController(BranchController):
 
     # ------------------------------------------------------------------ finishing
     def _poll(self, engine, step: int, *, final: bool = False) -> None:
-        """Prune the leaves a landed snapshot shows finished; take a snapshot at prune points
-        (``final``: wait for everything, the run stops)."""
+        """At prune points, prune the leaves the last snapshot shows finished and take a new
+        snapshot (``final``: wait for everything, the run stops). Between them, once the
+        snapshot has landed, tell the engine which leaves the next prune point keeps, so that it
+        plans that window in the background; pruning them as soon as it lands instead would
+        break the current window and plan on the critical path."""
         point = final or (step > 0 and step % self.prune_every == 0)
         if point:
             if self._pending is not None:
                 self._apply(engine, self._pending, step)
             self._pending = _Snapshot(self._finish, self._rows)
-        if self._pending is not None and (final or self._pending.ready()):
+            self._announced = False
+        if final:
             self._apply(engine, self._pending, step)
             self._pending = None
+        elif not (point or self._announced) and self.cb == Callbacks() and (
+                self._pending is None or self._pending.ready()):
+            nxt = step + self.prune_every - step % self.prune_every
+            done = set() if self._pending is None else {
+                n for n, first in zip(self._pending.nodes, self._pending.values()) if first >= 0}
+            keep = [n for n in self._rows if n not in done]
+            self._announced = nxt >= self.max_new_tokens or not keep or engine.plan_ahead(
+                keep, min(self.prune_every, self.max_new_tokens - nxt), after=nxt - step)
 
     def _apply(self, engine, snap: _Snapshot, step: int) -> None:
         """Finish and prune the leaves ``snap`` shows finished, before decode step ``step``."""
         tree = engine.tree
         row = {n: i for i, n in enumerate(self._rows)}
         for node, first in zip(snap.nodes, snap.values()):
-            if first < 0 or node not in row:     # running, or pruned / branched by a callback since
+            if first < 0 or node not in row or node not in tree:   # running, or pruned / branched since
                 continue
             # generated tokens: steps 0 .. first; those fed after the first EOS are dropped
             res = tree.finish(node, reason="eos", logits=self._final[row[node]].clone(),

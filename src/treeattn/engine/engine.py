@@ -12,6 +12,7 @@ waits only before running further ahead than ``max_inflight`` steps.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import time
 
@@ -27,6 +28,13 @@ from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
 
 __all__ = ["TreeEngine"]
+
+
+def _window_tokens(dtree: DecodingTree) -> tuple:
+    """A decode window's KV token counts for its step statistics: the planned tree's tokens, and
+    the (visible, unique) tokens of the nodes above the queried leaves."""
+    leaf = int(dtree.query_prefix.sum())      # the leaves' own tokens and reserved slots
+    return dtree.num_tokens, (int(dtree.visible_tokens.sum()) - leaf, dtree.num_tokens - leaf)
 
 
 class TreeEngine(SpeculativeSteps):
@@ -119,6 +127,10 @@ class TreeEngine(SpeculativeSteps):
         self.stats: list[StepStats] = []
         self._logits: dict[int, tuple] = {}
         self._win: Window | None = None
+        # the next decode window, planned on a background thread: (nodes, own tokens at its first
+        # step, steps, future host plan, its tree's KV tokens)
+        self._ahead: tuple | None = None
+        self._planning: concurrent.futures.ThreadPoolExecutor | None = None
         self._verify: tuple | None = None
         self._depth: tuple | None = None
         self._compiled = False
@@ -251,6 +263,10 @@ class TreeEngine(SpeculativeSteps):
         w, plan_ms = self._win, 0.0
         if w is not None and w.left > 0 and w.nodes == tuple(nodes) and w.expect == own:
             self.planner.set_prefix(w.plan, np.asarray(own))
+        elif (w := self._take_ahead(nodes, own)) is not None:
+            self._win = w
+            plan_ms = self.planner.last_ms
+            self.planner.set_prefix(w.plan, np.asarray(own))
         else:
             self._close_window()
             h = min(self.window, max(1, int(horizon)))
@@ -265,18 +281,88 @@ class TreeEngine(SpeculativeSteps):
             if h > 1:
                 self.planner.set_prefix(plan, np.asarray(own))
             plan_ms = self.planner.last_ms
-            leaf = int(dtree.query_prefix.sum())      # the leaves' own tokens and reserved slots
-            above = (int(dtree.visible_tokens.sum()) - leaf, dtree.num_tokens - leaf)
-            w = self._win = Window(tuple(nodes), plan, h, own,
-                                    dtree.num_tokens, above)
+            w = self._win = Window(tuple(nodes), plan, h, own, *_window_tokens(dtree))
         w.left -= 1
         w.expect = [o + 1 for o in own]
+        if horizon - 1 > w.left and self._ahead is None:
+            # the same leaves continue past this window: plan the next one while the GPU works
+            self.plan_ahead(nodes, horizon - 1 - w.left, after=w.left)
         mine = sum(own)
         logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens,
                                (w.above[0] + mine, w.above[1] + mine))
         for i, n in enumerate(nodes):
             self._logits[n] = (logits, i)
         return logits
+
+    def plan_ahead(self, nodes, horizon: int, *, after: int) -> bool:
+        """Plan the decode window that starts ``after`` decode steps from now, in the background.
+
+        A controller calls it between steps when it knows which leaves the next window decodes
+        (the same leaves, or fewer once some finished): their slots for that window are
+        reserved now and the window is planned on a background thread while the GPU runs the
+        current one, so no step waits for the host's planning. Nothing happens unless the
+        current decode window ends exactly then; a step with other leaves drops the plan (that
+        step then plans as usual).
+
+        Parameters
+        ----------
+        nodes : sequence of int
+            Active leaves of the next window, in the order that step's :meth:`decode` passes them.
+        horizon : int
+            Steps those leaves are promised from the next window's first step on.
+        after : int
+            Decode steps of the current leaves before that window starts.
+
+        Returns
+        -------
+        bool: whether that window is planned (now or by an earlier call).
+        """
+        left = self._win.left if self._win is not None else 0   # steps the current window has left
+        h = min(self.window, int(horizon))
+        nodes = tuple(nodes)
+        own = [self.kv.num_tokens(n) + left + 1 for n in nodes]
+        if self._ahead is not None and self._ahead[:3] == (nodes, own, h):
+            return True
+        if h < 2 or after != left or not self.compute:
+            return False
+        self._drop_ahead()
+        try:
+            # the current window's remaining slots, then the next window's h
+            extra = {n: self.kv.reserve(n, left + h) for n in nodes}
+        except KVPoolOutOfMemory:
+            return False
+        dtree = self.tree.decoding_tree(list(nodes), extra=extra)
+        if self._planning is None:
+            self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="treeattn-plan")
+        job = self._planning.submit(self.planner.plan_host, dtree, first_prefix=np.asarray(own))
+        self._ahead = (nodes, own, h, job, _window_tokens(dtree))
+        return True
+
+    def _take_ahead(self, nodes, own) -> Window | None:
+        """The window :meth:`plan_ahead` prepared, if it is the one this step starts."""
+        if self._ahead is None:
+            return None
+        want, expect, h, job, tokens = self._ahead
+        if want != tuple(nodes) or expect != own:
+            return None
+        self._ahead = None
+        t0 = time.perf_counter()
+        plan = self.planner.to_device(job.result())
+        self.planner.last_ms = (time.perf_counter() - t0) * 1e3
+        return Window(want, plan, h, own, *tokens)
+
+    def _drop_ahead(self) -> None:
+        """Forget the background window (waiting for its planning: the planner is not shared)."""
+        if self._ahead is not None:
+            want, _, _, job, _ = self._ahead
+            self._ahead = None
+            job.result()
+            if not self.keep_reserved:
+                # the current window still writes its tokens to the slots its plan reads
+                w = self._win
+                for n in want:
+                    if n in self.tree:
+                        self.kv.drop_reserved(n, keep=w.left if w is not None and n in w.nodes else 0)
 
     def _skip(self, nodes, tokens, t0) -> torch.Tensor:
         """Bookkeeping of a step that does not run the model (fast-forward): zeros as logits."""
@@ -396,6 +482,7 @@ class TreeEngine(SpeculativeSteps):
         self.model.ensure_positions(top + 1)
 
     def _close_window(self) -> None:
+        self._drop_ahead()
         if self._win is not None:
             for n in self._win.nodes:
                 if n in self.tree and not self.keep_reserved:

@@ -118,9 +118,13 @@ class KVCacheManager:
             self._reserved[node] = res
         return res[:n]
 
-    def drop_reserved(self, node: int) -> None:
-        """Forget ``node``'s unused reserved slots (they stay allocated until the branch is freed)."""
-        self._reserved.pop(node, None)
+    def drop_reserved(self, node: int, *, keep: int = 0) -> None:
+        """Forget ``node``'s unused reserved slots after its first ``keep`` (they stay allocated
+        until the branch is freed)."""
+        if keep <= 0:
+            self._reserved.pop(node, None)
+        elif node in self._reserved:
+            self._reserved[node] = self._reserved[node][:keep]
 
     def own_slots(self, node: int) -> np.ndarray:
         """int64 ``[own tokens]``: slots of the tokens ``node`` holds, in order (a view)."""

@@ -93,13 +93,19 @@ class StepPlanner:
         :meth:`set_prefix` rewrites (decode windows).
         """
         t0 = time.perf_counter()
+        plan = plan_to_device(self.plan_host(tree, first_prefix=first_prefix), self.device)
+        self.last_ms = (time.perf_counter() - t0) * 1e3
+        return plan
+
+    def plan_host(self, tree: DecodingTree, *, first_prefix: np.ndarray | None = None) -> Plan:
+        """:meth:`plan` without the move to the device: host work only, so that it can run on a
+        background thread (the engine plans its next decode window there) while the caller's
+        thread keeps the device busy or captures CUDA graphs. One call at a time per planner."""
         key = self._shape_key(tree) if self.strategy == "auto" else None
         patched = self._update(tree, key) if first_prefix is None else None
         self.last_patched = patched is not None
         if patched is not None:
-            plan = plan_to_device(patched, self.device)
-            self.last_ms = (time.perf_counter() - t0) * 1e3
-            return plan
+            return patched
         self._last = None
         strategy = self._choose(key)
         plan = make_plan(tree, self.heads, strategy=strategy, device="cpu", cost=self.cost)
@@ -107,12 +113,13 @@ class StepPlanner:
             self._auto = (key, plan.strategy, self.auto_refresh - 1)
         self.last_reason = plan.reason
         if first_prefix is not None:
-            plan = self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
-        else:
-            self._last = (plan, key, self.auto_refresh - 1)
-        plan = plan_to_device(plan, self.device)
-        self.last_ms = (time.perf_counter() - t0) * 1e3
+            return self._masked(plan, tree, np.asarray(first_prefix, dtype=np.int64))
+        self._last = (plan, key, self.auto_refresh - 1)
         return plan
+
+    def to_device(self, plan: Plan) -> Plan:
+        """A host plan (:meth:`plan_host`) on the planner's device."""
+        return plan_to_device(plan, self.device)
 
     def _update(self, tree: DecodingTree, key: tuple | None) -> Plan | None:
         """The last plan patched for ``tree`` (a host plan), or None where that is not allowed or

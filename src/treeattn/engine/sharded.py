@@ -175,6 +175,10 @@ class ShardedTreeEngine(TreeEngine):
         kv = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         return np.asarray(parents, dtype=np.int64), lengths, kv, qn
 
+    def plan_ahead(self, nodes, horizon: int, *, after: int) -> bool:
+        """Nothing (False): a sharded engine plans every step in :meth:`decode`."""
+        return False
+
     def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
         """One new token for each leaf of ``nodes`` (see :meth:`TreeEngine.decode`); ``horizon``
         is ignored (one plan per step)."""

@@ -266,7 +266,7 @@ class BestOfNController(SamplingController):
                              f"got {keep_every}, {keep_fraction}, {min_keep}")
         self.keep_every, self.keep_fraction, self.min_keep = keep_every, keep_fraction, min_keep
         self.selections = 0
-        self._pending = None    # (step, rows, their scores on the host, copy event) of a selection
+        self._selection = None    # (step, rows, their scores on the host, copy event) of a selection
 
     def _steps_to_event(self, step: int) -> int:
         return min(super()._steps_to_event(step), self.keep_every - step % self.keep_every)
@@ -275,11 +275,11 @@ class BestOfNController(SamplingController):
         # a selection's scores reach the host through an asynchronous copy; the rows it drops are
         # pruned once the copy has landed (at the latest ``_LAG`` steps later, or before stopping).
         # Samples are independent streams, so pruning late changes no survivor's tokens.
-        if self._pending is not None:
-            at, rows, host, ev = self._pending
+        if self._selection is not None:
+            at, rows, host, ev = self._selection
             if ev.query() or step >= min(at + self._LAG, self.max_new_tokens):
                 ev.synchronize()
-                self._pending = None
+                self._selection = None
                 self._select(engine.tree, rows, host.tolist())
         if step == 0 or step % self.keep_every or step >= self.max_new_tokens:
             return
@@ -297,7 +297,7 @@ class BestOfNController(SamplingController):
         host.copy_(scores, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
-        self._pending = (step, rows, host, ev)
+        self._selection = (step, rows, host, ev)
 
     def _select(self, tree, rows: list, scores: list) -> None:
         groups: dict = {}
@@ -314,10 +314,10 @@ class BestOfNController(SamplingController):
         return list(range(1, self.n * len(self.prompts) + 1))
 
     def result(self, engine) -> dict:
-        if self._pending is not None:
-            _, rows, host, ev = self._pending
+        if self._selection is not None:
+            _, rows, host, ev = self._selection
             ev.synchronize()
-            self._pending = None
+            self._selection = None
             self._select(engine.tree, rows, host.tolist())
         return super().result(engine)
 
