@@ -37,6 +37,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="attention strategy of every decode step (default: auto)")
     p.add_argument("--prefix-block", type=positive_int, default=64,
                    help="prefix-cache granularity in tokens (a multiple of --page-size; 512 for PAT's trace)")
+    p.add_argument("--prefill-chunk", type=nonnegative_int, default=2048, metavar="TOKENS",
+                   help="while requests are decoding, prefill at most this many prompt tokens between two "
+                        "decode steps (rounded down to --prefix-block, at least one block); longer prompts "
+                        "are prefilled in chunks so running requests keep getting tokens (0: whole prompts "
+                        "at once; default: 2048)")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="read each step's sampled tokens before enqueueing the next decode step (the host's "
+                        "per-step work then leaves the GPU idle); for measuring what the overlap gains")
     p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="longest prompt + max_tokens (default: the model's and the KV pool's limit)")
     p.add_argument("--served-model-name", default=None, help="default: the model directory or preset name")
@@ -110,7 +118,8 @@ def serve_command(args) -> int:
         log.info("captured the decode graphs for 1-%d sequences in %.1f s", args.max_batch,
                  time.perf_counter() - t0)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
-                          block_tokens=args.prefix_block)
+                          block_tokens=args.prefix_block, prefill_chunk=args.prefill_chunk,
+                          overlap=not args.no_overlap)
     log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
              max_len, engine.pool.num_pages)
     chat = _chat_template(args, model)

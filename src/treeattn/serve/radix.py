@@ -7,9 +7,11 @@ parent's, so a request that hangs below a cached node shares all of its pages wi
 the cache is therefore also the decoding tree that treeattn plans prefix-aware.
 
 A cached node is *referenced* while it has children (the nodes of running requests hang below
-it); a childless cached node is unreferenced and can be evicted, least recently used first.
-Matches stop one token short of the whole prompt, so the last prompt token is always prefilled
-and its logits are fresh (cached nodes keep no logits).
+it) or is pinned (the end of a prompt prefilled in chunks, :meth:`PrefixCache.insert_prefix`); an
+unreferenced node can be evicted, least recently used first. Matches stop one token short of the
+whole prompt, so the last prompt token is always prefilled and its logits are fresh (cached nodes
+keep no logits). The blocks of a prompt prefilled in chunks are cache entries as soon as their
+chunk is written: their KV is complete, and later work reads it in stream order.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class PrefixCache:
         self._used: dict[int, int] = {}                     # node -> LRU clock
         self._heap: list[tuple[int, int]] = []              # (clock, node) eviction candidates
         self._clock = 0
+        self._pins: dict[int, int] = {}                     # node -> pins held on it
         self.hit_tokens = 0
         self.miss_tokens = 0
 
@@ -91,19 +94,46 @@ class PrefixCache:
         self._used[node] = self._clock
 
     # ------------------------------------------------------------------ insertion
-    def insert(self, tokens) -> int:
+    def insert(self, tokens, *, counted: int = 0) -> int:
         """Prefill ``tokens`` below their longest cached prefix, as new cached blocks (one
         forward pass, :meth:`TreeEngine.prefill_chain`), and return the node of the last token
         (its logits are the engine's for that node).
 
-        Raises :class:`treeattn.KVPoolOutOfMemory` when the pool fills up; nothing new is then
-        cached.
+        ``counted``: leading tokens the caller already counted in :attr:`hit_tokens` /
+        :attr:`miss_tokens` (what its earlier :meth:`insert_prefix` calls cached), not counted
+        again as hits. Raises :class:`treeattn.KVPoolOutOfMemory` when the pool fills up; nothing
+        new is then cached.
         """
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("cannot insert an empty prompt")
         node, at = self.match(ids)
-        self.hit_tokens += at
+        return self._prefill(node, at, ids, counted)[-1]
+
+    def insert_prefix(self, tokens, end: int, *, counted: int = 0) -> tuple[int | None, int]:
+        """Cache ``tokens[:end]`` (one chunk of a long prompt: ``end`` is a block boundary below
+        ``len(tokens)``) in one forward pass and return the deepest cached node on ``tokens``' path
+        and its path length (``end``, or more when the cache already held more).
+
+        The node is pinned (not evicted) until :meth:`unpin`; its logits are dropped (nobody
+        samples after a chunk). ``counted`` and errors as :meth:`insert`.
+        """
+        ids = np.asarray(tokens, dtype=np.int64)
+        if not 0 < end < ids.size or end % self.block:
+            raise ValueError(f"end must be a multiple of {self.block} in (0, {ids.size}), got {end}")
+        node, at = self.match(ids)
+        if at < end:
+            node = self._prefill(node, at, ids[:end], counted)[-1]
+            self.engine.forget_logits(node)
+            at = end
+        else:
+            self.hit_tokens += max(at - counted, 0)
+        self._pins[node] = self._pins.get(node, 0) + 1
+        return node, at
+
+    def _prefill(self, node: int | None, at: int, ids: np.ndarray, counted: int) -> list:
+        """Prefill ``ids[at:]`` below ``node`` (whose path is ``ids[:at]``) as new cached blocks."""
+        self.hit_tokens += max(at - counted, 0)
         self.miss_tokens += ids.size - at
         cuts = list(range(at - at % self.block + self.block, ids.size, self.block))
         chunks = np.split(ids[at:], [c - at for c in cuts])
@@ -119,7 +149,18 @@ class PrefixCache:
             self._kids[child] = {}
             self._parent[child] = parent
             self._touch(child)
-        return new[-1]
+        return new
+
+    def unpin(self, node: int) -> None:
+        """Drop one pin of :meth:`insert_prefix` on ``node``; unreferenced, it can be evicted."""
+        left = self._pins.get(node, 0) - 1
+        if left < 0:
+            raise ValueError(f"node {node} is not pinned")
+        if left:
+            self._pins[node] = left
+        else:
+            del self._pins[node]
+            self._evictable(node)
 
     def release(self, node: int) -> None:
         """The request whose sequences hung below ``node`` (a node :meth:`insert` returned to it)
@@ -128,7 +169,7 @@ class PrefixCache:
         self._evictable(node)
 
     def _evictable(self, node: int) -> None:
-        if node in self._run and not self.engine.tree.children(node):
+        if node in self._run and node not in self._pins and not self.engine.tree.children(node):
             heapq.heappush(self._heap, (self._used[node], node))
 
     # ------------------------------------------------------------------ eviction
@@ -139,8 +180,11 @@ class PrefixCache:
         done = 0
         while pool.num_free_pages < free_pages and self._heap:
             used, node = heapq.heappop(self._heap)
-            if node not in self._run or self._used[node] != used or tree.children(node):
-                continue                              # stale entry: touched or referenced again
+            if node not in self._run or node in self._pins or tree.children(node):
+                continue                              # referenced again: pushed when released
+            if self._used[node] != used:              # touched since it was pushed: requeue
+                heapq.heappush(self._heap, (self._used[node], node))
+                continue
             parent, key = self._parent.pop(node), self._run.pop(node)
             if self._kids[parent].get(key) == node:   # a re-prefilled twin may have replaced it
                 del self._kids[parent][key]

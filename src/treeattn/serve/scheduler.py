@@ -11,6 +11,24 @@ preempted (its KV freed, its tokens kept) and later resumed by prefilling prompt
 The attention plan is updated lazily (PAT section 5.1): the engine plans a *decode window* of
 ``min(tokens left)`` steps at once and reuses it until the batch changes.
 
+**Overlap.** The host's work of a step (reading the sampled tokens, stop checks, emitting events,
+admissions, planning the next step) runs while the GPU runs the next decode step: step ``t``'s
+sampled tokens are copied to pinned host memory, then decode step ``t + 1`` is enqueued with them
+as the device tensor they are, for every row that goes on *as far as the host knows* (it has not
+reached ``max_tokens``, which is known up front), and only then does the host wait for step ``t``'s
+tokens. A row that stopped at step ``t`` (EOS, a stop token or string) was decoded once more; that
+token is never sampled or emitted, and its KV is freed with the row. Sampling itself never lags:
+step ``t + 1``'s sampling is enqueued after step ``t``'s tokens were read, so penalties see the
+whole output so far and a row's random counter is its output index, as in the synchronous loop.
+
+**Chunked prefill.** While requests are running, one loop iteration prefills at most
+``prefill_chunk`` prompt tokens (rounded to the prefix cache's blocks); a longer prompt is cached
+a chunk at a time, one chunk between two decode steps, as pinned prefix-cache blocks
+(:meth:`~treeattn.serve.radix.PrefixCache.insert_prefix`) that other prompts may already share,
+and joins the batch with its last chunk. Chunks run as their own forward passes between decode
+steps, not inside them: a decode step is a captured CUDA graph of a fixed batch with treeattn's
+tree attention, a chunk a variable-length causal SDPA pass over its cached context.
+
 The loop waits for the device once per step, when the sampled tokens come to the host; the wall
 time between two such waits (or from an idle wake-up) is counted as ``prefill_ms`` when the loop
 issued a prefill in it (the interval also holds one decode step) and as ``decode_ms`` otherwise, so
@@ -111,7 +129,34 @@ class Request:
     finish: list = field(default_factory=list)        # finish reason per choice (None: running)
     leaves: dict = field(default_factory=dict)        # choice -> engine leaf node
     anchors: set = field(default_factory=set)         # cached nodes the leaves hang below
+    pinned: int | None = None                         # last cached chunk of a prompt being prefilled
+    counted: int = 0                                  # context tokens its chunks cached (and counted)
     arrival: float = field(default_factory=time.monotonic)
+
+
+class _HostCopy:
+    """A step's sampled tokens (and log-probabilities) on their way to the host.
+
+    On a GPU they are copied into pinned memory behind the work enqueued so far, so that
+    :meth:`wait` waits for that work only, not for the decode step enqueued after the copy.
+    """
+
+    def __init__(self, choice):
+        parts = [choice.tokens, choice.logprobs, choice.top_ids, choice.top_values]
+        self._done = None
+        if choice.tokens.device.type == "cuda":
+            parts = [None if t is None else
+                     torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                     for t in parts]
+            self._done = torch.cuda.Event()
+            self._done.record()
+        self._parts = parts
+
+    def wait(self) -> tuple:
+        """``(tokens, logprobs, top_ids, top_values)`` as lists (None where not computed)."""
+        if self._done is not None:
+            self._done.synchronize()
+        return tuple(None if t is None else t.tolist() for t in self._parts)
 
 
 class Scheduler:
@@ -127,12 +172,23 @@ class Scheduler:
         Most sequences (choices) decoded in one step.
     block_tokens : int
         Granularity of the prefix cache (:class:`~treeattn.serve.radix.PrefixCache`).
+    prefill_chunk : int
+        Most prompt tokens prefilled between two decode steps while requests are running (rounded
+        down to ``block_tokens``, at least one block); a longer prompt is prefilled in chunks (see
+        the module). 0: every admitted prompt is prefilled at once.
+    overlap : bool
+        Enqueue decode step ``t + 1`` before reading step ``t``'s tokens (see the module). False:
+        read them first (the host's work of a step then leaves the GPU idle); for comparisons.
     """
 
-    def __init__(self, engine, *, max_queue: int = 256, max_batch: int = 64, block_tokens: int = 64):
+    def __init__(self, engine, *, max_queue: int = 256, max_batch: int = 64, block_tokens: int = 64,
+                 prefill_chunk: int = 2048, overlap: bool = True):
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0: no chunking), got {prefill_chunk}")
         self.engine = engine
         self.cache = PrefixCache(engine, block_tokens)
         self.max_queue, self.max_batch = int(max_queue), int(max_batch)
+        self.prefill_chunk, self.overlap = int(prefill_chunk), bool(overlap)
         self.eos = frozenset(engine.model.config.eos_token_ids)
         self.tokenizer = engine.model.tokenizer    # stop strings are matched on decoded text
         self._ids = itertools.count()
@@ -154,6 +210,7 @@ class Scheduler:
         self.kv_unique = 0                    # distinct KV tokens seen by each step's decode queries
         self.prefill_ms = 0.0                 # wall time between device waits that prefilled
         self.prefill_steps = 0                # steps whose interval prefilled
+        self.prefill_chunks = 0               # partial chunks of long prompts prefilled
         self.decode_ms = 0.0                  # wall time between device waits that only decoded
         self._synced = time.perf_counter()    # the last device wait (or idle wake-up)
         self._synced_miss = 0                 # the cache's prefilled tokens at that time
@@ -242,7 +299,8 @@ class Scheduler:
         Besides the counters of the class: ``kv_visible_tokens`` and ``kv_unique_tokens`` sum,
         over decode steps, the KV tokens the step's queries see (per query: what attention
         without prefix sharing reads) and the distinct ones (what attention reading each shared
-        token once reads); ``prefill_ms``, ``prefill_steps`` and ``decode_ms``: see the module.
+        token once reads); ``prefill_ms``, ``prefill_steps`` and ``decode_ms``: see the module;
+        ``prefill_chunks``: chunks of long prompts prefilled before their last one.
         """
         def read():
             pool, c = self.engine.pool, self.cache
@@ -252,6 +310,7 @@ class Scheduler:
                     "plan_ms": self.plan_ms, "kv_visible_tokens": self.kv_visible,
                     "kv_unique_tokens": self.kv_unique, "prefill_ms": self.prefill_ms,
                     "prefill_steps": self.prefill_steps, "decode_ms": self.decode_ms,
+                    "prefill_chunks": self.prefill_chunks,
                     "free_pages": pool.num_free_pages,
                     "num_pages": pool.num_pages, "cached_blocks": c.num_nodes,
                     "prefix_hit_tokens": c.hit_tokens, "prefill_tokens": c.miss_tokens}
@@ -304,6 +363,7 @@ class Scheduler:
             self._cancelled.discard(request_id)
         for req in list(self._waiting):
             if req.id == request_id:
+                self._free(req)                 # a prompt half prefilled in chunks: unpin them
                 self._dequeue(req)
         for req in list(self._running):
             if req.id == request_id:
@@ -326,6 +386,15 @@ class Scheduler:
         for node in req.anchors:
             self.cache.release(node)
         req.anchors.clear()
+        self._unpin(req)
+
+    def _unpin(self, req: Request) -> None:
+        """Let the chunks of ``req``'s half-prefilled prompt be evicted (they stay cached until then,
+        and its next chunk starts from what is left of them)."""
+        if req.pinned is not None:
+            self.cache.unpin(req.pinned)
+            req.pinned = None
+        req.counted = 0
 
     def _batch_size(self) -> int:
         return sum(len(r.leaves) for r in self._running)
@@ -337,6 +406,7 @@ class Scheduler:
         return pool.num_free_pages >= pages
 
     def _admit(self) -> None:
+        spent = self.cache.miss_tokens            # prompt tokens prefilled in this call: miss_tokens - spent
         while self._waiting:
             req = self._waiting[0]
             if not req.outputs:
@@ -355,14 +425,22 @@ class Scheduler:
             if self._running and self._batch_size() + len(live) > self.max_batch:
                 return
             longest = len(req.prompt) + max(len(o) for o in req.outputs)
-            need = self.pages_needed(longest, 1, len(live))
+            need = self.pages_needed(longest - req.counted, 1, len(live))
             if not self._ensure_free(need):
                 if self._running:
                     return
                 self._dequeue(req)
                 self._fail(req, "the request does not fit in the KV cache")
                 continue
+            left = None
+            if self.prefill_chunk and self._running:
+                left = self.prefill_chunk - (self.cache.miss_tokens - spent)
             try:
+                end = self._chunk_end(req, live, left, first=self.cache.miss_tokens == spent)
+                if end is not None:
+                    if end:
+                        self._prefill_chunk(req, live, end)
+                    return                    # the rest of the prompt after the next decode step
                 self._place(req, live)
             except KVPoolOutOfMemory:
                 self._free(req)
@@ -374,6 +452,43 @@ class Scheduler:
             self._dequeue(req)
             self._running.append(req)
 
+    @staticmethod
+    def _context(req: Request, live: list) -> list:
+        """The longest common prefix of the contexts (prompt + output so far) of choices ``live``."""
+        outs = [req.outputs[i] for i in live]
+        k = 0
+        while all(len(o) > k for o in outs) and len({o[k] for o in outs}) == 1:
+            k += 1
+        return req.prompt + outs[0][:k]
+
+    def _chunk_end(self, req: Request, live: list, left: int | None, *, first: bool) -> int | None:
+        """Where ``req``'s next prefill chunk ends when the ``left`` prompt tokens this iteration
+        may still prefill (None: no limit) do not cover the rest of its context: a block boundary
+        (0: none fits before the next decode step). None: the whole request is placed now."""
+        if left is None:
+            return None
+        ctx = self._context(req, live)
+        if len(ctx) - req.counted <= left:        # (the cache holds at least the chunks counted)
+            return None
+        at = self.cache.match(ctx)[1]
+        if len(ctx) - at <= left:
+            return None
+        blk = self.cache.block
+        end = (at + max(left, 0)) // blk * blk
+        if end <= at:
+            if not first:
+                return 0
+            end = at - at % blk + blk         # a chunk budget under one block: one block a step
+        return end if end < len(ctx) else None
+
+    def _prefill_chunk(self, req: Request, live: list, end: int) -> None:
+        """Cache ``req``'s context up to ``end`` (a block boundary), pinned until it is placed."""
+        before = req.pinned
+        req.pinned, req.counted = self.cache.insert_prefix(self._context(req, live), end, counted=req.counted)
+        if before is not None:
+            self.cache.unpin(before)
+        self.prefill_chunks += 1
+
     def _place(self, req: Request, live: list) -> None:
         """Prefill the contexts (prompt + output so far) of choices ``live`` and hang a leaf for
         each below its context's last block."""
@@ -381,13 +496,17 @@ class Scheduler:
         for i in live:
             groups.setdefault(tuple(req.prompt + req.outputs[i]), []).append(i)
         for ctx, choices in groups.items():
-            node = self.cache.insert(ctx)
+            node = self.cache.insert(ctx, counted=req.counted)
             req.anchors.add(node)
             for i, leaf in zip(choices, self.engine.tree.add_children(node, len(choices))):
                 req.leaves[i] = leaf
+        self._unpin(req)                         # its chunks now hang above the anchors
 
     def _preempt_for(self, pages: int) -> None:
         """Evict cached prefixes, then preempt the newest requests, until ``pages`` are free."""
+        if not self._ensure_free(pages):
+            for req in self._waiting:           # running requests go before a half-prefilled prompt
+                self._unpin(req)
         while not self._ensure_free(pages) and len(self._running) > 1:
             req = self._running.pop()
             self._free(req)
@@ -477,20 +596,26 @@ class Scheduler:
         self.decoded += len(order)
         self.max_batch_seen = max(self.max_batch_seen, len(order))
         leaves = [req.leaves[i] for req, i in order]
-        opt = self._options(order)
-        choice = choose_tokens(eng.logits_for(leaves), opt)
-        host = choice.tokens.tolist()            # waits for the device
+        choice = choose_tokens(eng.logits_for(leaves), self._options(order))
+        pending = _HostCopy(choice)
+        # tokens each row may take after this one (0: it reaches max_tokens now)
+        left = [req.params.max_tokens - len(req.outputs[i]) - 1 for req, i in order]
+        going = [r for r, n in enumerate(left) if n > 0]
+        if self.overlap and going:          # the next step runs on the GPU while the host reads this one
+            tokens = choice.tokens
+            if len(going) < len(order):
+                tokens = tokens.index_select(0, upload(np.asarray(going), eng.device))
+            self._decode(order, going, tokens, left)
+        host, lps, top_ids, top_values = pending.wait()
         self._count_interval()
-        lps = choice.logprobs.tolist() if choice.logprobs is not None else None
-        tops = (choice.top_ids.tolist(), choice.top_values.tolist()) if choice.top_ids is not None else None
-        cont, cont_tok, events = [], [], {}
+        events = {}
         for r, ((req, i), tok) in enumerate(zip(order, host)):
             p = req.params
             ev = events.setdefault(req.id, (req, []))[1]
             lp, top = None, ()
             if p.logprobs is not None:
                 lp = lps[r]
-                top = tuple(zip(tops[0][r][: p.logprobs], tops[1][r][: p.logprobs])) if p.logprobs else ()
+                top = tuple(zip(top_ids[r][: p.logprobs], top_values[r][: p.logprobs])) if p.logprobs else ()
             if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 req.finish[i] = "stop"
                 ev.append(Event(i, None, "stop", lp, top))
@@ -501,22 +626,25 @@ class Scheduler:
                 else:
                     req.finish[i] = "length" if len(req.outputs[i]) >= p.max_tokens else None
                 ev.append(Event(i, tok, req.finish[i], lp, top))
-            if req.finish[i] is None:
-                cont.append((req, i))
-                cont_tok.append(tok)
-            else:
+            if req.finish[i] is not None:   # (overlapped, it was decoded once more: that token is dropped)
                 eng.tree.prune(req.leaves.pop(i), cascade=False)
         for req, ev in events.values():
             req.emit(ev)
             if not req.leaves:
                 self._free(req)
                 self._running.remove(req)
-        if cont:
-            horizon = min(req.params.max_tokens - len(req.outputs[i]) for req, i in cont)
-            eng.decode([req.leaves[i] for req, i in cont], upload(np.asarray(cont_tok), eng.device),
-                       horizon=horizon)
+        if not self.overlap:
+            going = [r for r in going if order[r][0].finish[order[r][1]] is None]
+            if going:
+                self._decode(order, going, upload(np.asarray(host)[going], eng.device), left)
         self.steps += 1
         self._fold_stats()
+
+    def _decode(self, order: list, rows: list, tokens: torch.Tensor, left: list) -> None:
+        """Enqueue the decode step of rows ``rows`` of ``order`` with their sampled ``tokens``
+        (device int64 ``[len(rows)]``); ``left``: tokens each row of ``order`` may take after them."""
+        self.engine.decode([order[r][0].leaves[order[r][1]] for r in rows], tokens,
+                           horizon=min(left[r] for r in rows))
 
     def _fold_stats(self) -> None:
         """Fold the engine's per-step StepStats into counters, so that a long-running server does
