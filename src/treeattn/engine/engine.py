@@ -103,9 +103,12 @@ class TreeEngine(SpeculativeSteps):
         # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
         self.attention = TreeAttention(device=model.device, backend=backend, streams=0, pdl=pdl)
         # (its cost model rates launches one after another without PDL, overlapping with it)
-        self.planner = StepPlanner(HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype),
-                                   strategy=strategy, device=model.device, auto_refresh=auto_refresh,
+        heads = HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype)
+        self.planner = StepPlanner(heads, strategy=strategy, device=model.device, auto_refresh=auto_refresh,
                                    cost=self.attention.cost)
+        # the planning thread's own planner (:meth:`plan_ahead`): a step never waits for it
+        self._ahead_planner = StepPlanner(heads, strategy=strategy, device=model.device,
+                                          auto_refresh=auto_refresh, cost=self.attention.cost)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
@@ -334,7 +337,7 @@ class TreeEngine(SpeculativeSteps):
         dtree = self.tree.decoding_tree(list(nodes), extra=extra)
         if self._planning is None:
             self._planning = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="treeattn-plan")
-        job = self._planning.submit(self.planner.plan_host, dtree, first_prefix=np.asarray(own))
+        job = self._planning.submit(self._ahead_planner.plan_host, dtree, first_prefix=np.asarray(own))
         self._ahead = (nodes, own, h, job, _window_tokens(dtree))
         return True
 
@@ -352,11 +355,11 @@ class TreeEngine(SpeculativeSteps):
         return Window(want, plan, h, own, *tokens)
 
     def _drop_ahead(self) -> None:
-        """Forget the background window (waiting for its planning: the planner is not shared)."""
+        """Forget the background window (its planning, if running, finishes unused)."""
         if self._ahead is not None:
             want, _, _, job, _ = self._ahead
             self._ahead = None
-            job.result()
+            job.cancel()
             if not self.keep_reserved:
                 # the current window still writes its tokens to the slots its plan reads
                 w = self._win
