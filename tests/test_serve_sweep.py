@@ -1,5 +1,6 @@
-"""benchmarks/bench_serve_sweep.py: the sustained-rate rule, the target, the plot, the server
-process handling and one end-to-end sweep with the tiny model on the CPU."""
+"""benchmarks/bench_serve_sweep.py: the sustained-rate rule, the target, the plot, the rates per
+traffic, the warm-up, the server process handling and one end-to-end sweep with the tiny model on
+the CPU."""
 import importlib.util
 import json
 import sys
@@ -45,8 +46,9 @@ def test_judge(sweep):
     assert not sweep.judge(_summary(requests=0, completed=0), 30.0, 10.0, 0.9)["sustained"]
 
 
-def _run(strategy, rate, tpot, sustained=True):
-    return {"strategy": strategy, "rate": rate, "summary": _summary(tpot=tpot), "sustained": sustained}
+def _run(strategy, rate, tpot, sustained=True, traffic="pat-trace"):
+    return {"strategy": strategy, "traffic": traffic, "rate": rate, "summary": _summary(tpot=tpot),
+            "sustained": sustained}
 
 
 def test_evaluate_target(sweep):
@@ -79,13 +81,17 @@ def test_evaluate_target_averages_repeated_strategies(sweep):
 
 def test_plot_and_json(sweep, tmp_path):
     runs = [_run("sequence", 1.0, 20.0), _run("sequence", 2.0, 30.0, False), _run("auto", 1.0, 16.0),
-            _run("auto", 2.0, 18.0), {"strategy": "auto", "rate": 4.0, "error": "boom"}]
+            _run("auto", 2.0, 18.0), {"strategy": "auto", "traffic": "pat-trace", "rate": 4.0, "error": "boom"},
+            _run("sequence", 0.5, 40.0, traffic="sampling"), _run("auto", 0.5, 25.0, traffic="sampling")]
     result = {"device": "cpu", "model": "random:tiny", "runs": runs, "skipped": [],
-              "target": sweep.evaluate_target(runs)}
+              "target": {t: sweep.evaluate_target([r for r in runs if r["traffic"] == t])
+                         for t in ("pat-trace", "sampling")}}
     sweep.plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
     sweep.write_json(result, tmp_path / "r.json")
-    assert json.loads((tmp_path / "r.json").read_text())["target"]["sequence_max_sustained_rate"] == 1.0
+    target = json.loads((tmp_path / "r.json").read_text())["target"]
+    assert target["pat-trace"]["sequence_max_sustained_rate"] == 1.0
+    assert target["sampling"]["tpot_reduction_at_that_rate"] == pytest.approx(0.375)
 
 
 def test_server_delta_derives_sharing_and_prefill_share(sweep):
@@ -93,7 +99,7 @@ def test_server_delta_derives_sharing_and_prefill_share(sweep):
               "prefill_ms": 50.0, "prefill_steps": 2, "decode_ms": 80.0, "strategies": {"auto": 8}}
     after = {"steps": 30, "decoded_tokens": 100, "kv_visible_tokens": 1100, "kv_unique_tokens": 400,
              "prefill_ms": 250.0, "prefill_steps": 7, "decode_ms": 230.0, "strategies": {"auto": 25}}
-    d = sweep.server_delta(before, after)
+    d = sweep.server_delta(before, after)      # (treeattn.bench.serve's)
     assert d["mean_batch"] == 4.0 and d["kv_io_saving"] == pytest.approx(0.7)
     assert d["decode_step_ms"] == pytest.approx(150.0 / 15)           # 20 steps, 5 with a prefill
     assert d["prefill_share"] == pytest.approx((200.0 - 5 * 10.0) / 350.0)
@@ -103,7 +109,8 @@ def test_server_delta_derives_sharing_and_prefill_share(sweep):
 def test_server_command_passes_model_args(sweep):
     args = sweep.parse_args(["--random-weights", "llama3-8b", "--device", "cpu", "--dtype", "bfloat16",
                              "--kv-tokens", "1000", "--page-size", "32", "--rates", "2,0.5", "--out", "x.json"])
-    assert args.rate_list == [0.5, 2.0] and args.strategy_list == ["auto", "sequence"]
+    assert args.rates_by_traffic == {t: [0.5, 2.0] for t in ("sampling", "agents", "pat-trace")}
+    assert args.strategy_list == ["auto", "sequence"] and args.traffic_list == ["sampling", "agents", "pat-trace"]
     cmd = sweep.server_command(args, "sequence", 8123)
     assert cmd[1:4] == ["-m", "treeattn.cli", "serve"]
     line = " ".join(cmd)
@@ -111,8 +118,29 @@ def test_server_command_passes_model_args(sweep):
                  "--page-size 32", "--strategy sequence", "--port 8123", "--prefix-block 64",
                  "--max-model-len 8192"):
         assert part in line
-    with pytest.raises(SystemExit):
-        sweep.parse_args(["--random-weights", "tiny", "--strategies", "nope", "--out", "x.json"])
+    for bad in (["--strategies", "nope"], ["--traffics", "sampling,nope"], ["--rates", "nope:1"],
+                ["--rates", "sampling:0,1"], ["--n", "4-2"]):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(["--random-weights", "tiny", "--out", "x.json", *bad])
+
+
+def test_rates_per_traffic(sweep):
+    r = sweep.rates_arg(None, ["sampling", "pat-trace"])
+    assert r == {"sampling": [0.5, 1.0, 2.0], "pat-trace": [1.0, 2.0, 3.0]}
+    r = sweep.rates_arg(["agents:8,4", "1", "sampling:3"], ["sampling", "agents", "pat-trace"])
+    assert r == {"sampling": [3.0], "agents": [4.0, 8.0], "pat-trace": [1.0]}      # named lists win
+    with pytest.raises(ValueError, match="positive"):
+        sweep.rates_arg(["agents:"], ["agents"])
+
+
+def test_warmup_requests_step_the_batch_down(sweep):
+    from treeattn.bench.serve import TraceRequest
+
+    reqs = [TraceRequest(list(range(50)), 100, 3.0 + i, n=n) for i, n in enumerate((3, 3, 4, 2, 5, 6))]
+    w = sweep.warmup_requests(reqs, 8, long=2, input_len=10)
+    assert [r.n for r in w] == [3, 3, 4, 2, 5] and all(r.arrival == 0.0 for r in w)
+    assert [r.max_tokens for r in w] == [10, 9, 8, 16, 16]     # 3 requests hold 8 choices: 3 + 7 - j
+    assert [len(r.prompt) for r in w] == [10, 10, 10, 50, 50]
 
 
 def test_server_that_dies_reports_its_log(sweep, tmp_path):
@@ -125,40 +153,45 @@ def test_server_that_dies_reports_its_log(sweep, tmp_path):
 
 def test_time_budget_skips_everything(sweep, tmp_path):
     out = tmp_path / "r.json"
-    code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--rates", "1,2", "--duration", "5",
-                       "--time-budget", "1", "--out", str(out)])
+    code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--traffics", "sampling,agents",
+                       "--rates", "1,2", "--duration", "5", "--time-budget", "1", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert code == 1 and res["runs"] == [] and res["status"] == "complete"
-    assert {(s["strategy"], s["rate"]) for s in res["skipped"]} == {
-        (s, r) for s in ("auto", "sequence") for r in (1.0, 2.0)}
+    assert code == 1 and res["runs"] == [] and res["status"] == "complete" and res["trace"] is None
+    assert sorted((s["strategy"], s["traffic"], s["rate"]) for s in res["skipped"]) == sorted(
+        (s, t, r) for s in ("auto", "sequence") for t in ("sampling", "agents") for r in (1.0, 2.0))
 
 
 @pytest.mark.slow
 def test_sweep_end_to_end_tiny(sweep, tmp_path):
+    """Both servers up together, the sampling traffic at one rate on each, then both stopped."""
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
-    code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--rates", "4", "--duration", "2",
-                       "--max-output-len", "4", "--max-input-len", "300", "--warmup-requests", "2",
-                       "--warmup-input-len", "64", "--warmup-long", "1", "--out", str(out), "--plot", str(png)])
+    code = sweep.main(["--random-weights", "tiny", "--device", "cpu", "--traffics", "sampling", "--rates", "4",
+                       "--duration", "2", "--n", "2-3", "--prompt-len", "40-80", "--sampling-output-len", "4",
+                       "--warmup-requests", "4", "--warmup-long", "1", "--out", str(out), "--plot", str(png)])
     assert code == 0
     res = json.loads(out.read_text())
     for key in ("device", "torch", "triton", "commit", "model", "args", "runs", "skipped", "target",
                 "sustained_rule"):
         assert key in res
     assert res["status"] == "complete" and res["skipped"] == []
-    assert [(r["strategy"], r["rate"]) for r in res["runs"]] == [("auto", 4.0), ("sequence", 4.0)]
+    assert [(r["strategy"], r["traffic"], r["rate"]) for r in res["runs"]] == [
+        ("auto", "sampling", 4.0), ("sequence", "sampling", 4.0)]
+    a, b = (r["summary"] for r in res["runs"])
+    assert (a["requests"], a["choices"], a["output_tokens"]) == (b["requests"], b["choices"], b["output_tokens"])
     for r in res["runs"]:
         s = r["summary"]
         assert s["requests"] == s["completed"] > 0 and s["failed"] == 0, s
+        assert s["requests"] * 2 <= s["choices"] <= s["requests"] * 3 and s["output_tokens"] == 4 * s["choices"]
         assert s["tpot"]["mean_ms"] > 0 and r["server"]["steps"] > 0 and r["server"]["mean_batch"] >= 1
         assert r["server"]["plan_ms"] > 0 and sum(r["server"]["strategies"].values()) > 0
         srv = r["server"]
-        assert 0 < srv["kv_unique_tokens"] <= srv["kv_visible_tokens"] and 0 <= srv["kv_io_saving"] < 1
-        assert srv["prefill_ms"] > 0 and 1 <= srv["prefill_steps"] <= srv["steps"]
+        assert 0 < srv["kv_unique_tokens"] < srv["kv_visible_tokens"] and 0 < srv["kv_io_saving"] < 1
+        assert srv["kv_read_saved_bytes"] > 0 and srv["prefill_ms"] > 0
         assert isinstance(r["sustained"], bool)
     for strategy, info in res["servers"].items():
         assert info["exit_code"] == 0 and info["startup_s"] > 0, (strategy, info)
-        assert res["warmup"][strategy]["completed"] == 3
-    t = res["target"]
+        assert res["warmup"][strategy]["sampling"]["completed"] >= 2
+    t = res["target"]["sampling"]
     assert set(t) >= {"sequence_max_sustained_rate", "tpot_reduction_at_that_rate", "pass"}
     assert "4.0" in t["tpot_reduction_by_rate"]
     assert png.stat().st_size > 10_000

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_parser(sub)
     bench_p = sub.add_parser("bench", help="benchmarks: kernels and e2e (CUDA), serve (HTTP client)",
                              description="Benchmarks: the kernel suite and end-to-end decoding (CUDA), "
-                                         "and a request trace replayed against a running server.")
+                                         "and request traffic sent to a running server.")
     add_log_level(bench_p)
     bench = bench_p.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     kernels.add_parser(bench)

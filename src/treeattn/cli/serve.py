@@ -14,11 +14,13 @@ import time
 from pathlib import Path
 
 from treeattn import STRATEGIES
+from treeattn.bench.serve import TRAFFICS
 from treeattn.cli.args import (add_log_level, existing_file, nonnegative_int, positive_float, positive_int,
                                prepare_output)
 from treeattn.cli.engine import add_model_args, load_model
 
-__all__ = ["add_serve_parser", "add_bench_serve_parser", "serve_command", "bench_serve_command"]
+__all__ = ["add_serve_parser", "add_bench_serve_parser", "serve_command", "bench_serve_command", "int_range_arg",
+           "traffic_options"]
 
 log = logging.getLogger(__name__)
 
@@ -59,30 +61,64 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Register ``serve`` (``treeattn bench serve``): PAT's conversation trace replayed online."""
-    p = subparsers.add_parser("serve", help="replay a request trace against a running server",
-                              description="Replay PAT's conversation trace (or another JSON-lines trace) "
-                                          "against a running treeattn or OpenAI-compatible server.")
-    p.add_argument("--trace", type=existing_file, default=None,
-                   help="JSON-lines trace (default: shared/workloads/pat/conversation_trace.jsonl)")
+    """Register ``serve`` (``treeattn bench serve``): request traffic sent to a running server."""
+    p = subparsers.add_parser("serve", help="send request traffic to a running server: TTFT, TPOT, throughput",
+                              description="Send one traffic (PAT's conversation trace, n-sampling requests or "
+                                          "agents behind a shared system prompt) at a Poisson request rate to a "
+                                          "running treeattn or OpenAI-compatible server; TTFT, TPOT (per choice "
+                                          "stream), latency and throughput.")
+    p.add_argument("--traffic", default="pat-trace", choices=TRAFFICS,
+                   help="pat-trace: PAT's conversation trace (default); sampling: n choices (temperature 1) "
+                        "of a 2-4K-token prompt of its own; agents: PAT's three-level system prompt and a "
+                        "short user message")
     p.add_argument("--rate", type=float, required=True,
-                   help="requests per second, Poisson arrivals (<= 0: the trace's timestamps)")
+                   help="requests per second, Poisson arrivals (pat-trace: <= 0 replays the trace's timestamps)")
     p.add_argument("--duration", type=positive_float, default=None,
-                   help="send requests arriving in this many seconds")
-    p.add_argument("--max-requests", type=positive_int, default=None, help="use at most this many trace records")
+                   help="send requests arriving in this many seconds (sampling, agents: this or --max-requests)")
+    p.add_argument("--max-requests", type=positive_int, default=None,
+                   help="send at most this many requests (pat-trace: trace records)")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default: http://127.0.0.1:8000)")
-    p.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash id (default: 512)")
-    p.add_argument("--max-input-len", type=positive_int, default=None, help="cap prompts (keeps shared blocks)")
-    p.add_argument("--max-output-len", type=positive_int, default=None, help="cap output lengths")
-    p.add_argument("--system-prompt", default="pat", choices=("pat", "none"),
-                   help="prepend PAT's three-level system prompt (46/348/2123 tokens) to every prompt")
+    g = p.add_argument_group("pat-trace")
+    g.add_argument("--trace", type=existing_file, default=None,
+                   help="JSON-lines trace (default: shared/workloads/pat/conversation_trace.jsonl)")
+    g.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash id (default: 512)")
+    g.add_argument("--max-input-len", type=positive_int, default=None, help="cap prompts (keeps shared blocks)")
+    g.add_argument("--max-output-len", type=positive_int, default=None, help="cap output lengths")
+    g.add_argument("--system-prompt", default="pat", choices=("pat", "none"),
+                   help="prepend PAT's three-level system prompt (46/348/2123 tokens) to every prompt "
+                        "(agents: always)")
+    g = p.add_argument_group("sampling and agents (lengths MIN-MAX or one number, drawn per request)")
+    g.add_argument("--n", type=int_range_arg, default=None, metavar="MIN-MAX",
+                   help="sampling: choices per request (default: 8-16)")
+    g.add_argument("--prompt-len", type=int_range_arg, default=None, metavar="MIN-MAX",
+                   help="sampling: prompt tokens (default: 2048-4096)")
+    g.add_argument("--temperature", type=positive_float, default=None,
+                   help="sampling: temperature (default: 1)")
+    g.add_argument("--user-len", type=int_range_arg, default=None, metavar="MIN-MAX",
+                   help="agents: user-message tokens after the system prompt (default: 50-300)")
+    g.add_argument("--output-len", type=int_range_arg, default=None, metavar="MIN-MAX",
+                   help="output tokens per choice (default: sampling 128-512, agents 100-400)")
     p.add_argument("--seed", type=int, default=0, help="seed of the arrivals and the prompts' token ids")
     p.add_argument("--timeout", type=positive_float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--json", metavar="OUT", default=None, help="write the summary here")
+    p.add_argument("--json", metavar="OUT", default=None,
+                   help="write the summary here, with this host's device, versions and commit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_log_level(p)
     p.set_defaults(func=bench_serve_command)
     return p
+
+
+def int_range_arg(text: str) -> tuple[int, int]:
+    """``MIN-MAX`` (or one number) of positive integers, MIN <= MAX."""
+    parts = text.split("-")
+    try:
+        lo, hi = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (None, None)
+    except ValueError:
+        lo = hi = None
+    if lo is None or not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX positive integers with MIN <= MAX (or one number), "
+                                         f"got {text!r}")
+    return lo, hi
 
 
 def _port(text: str) -> int:
@@ -149,24 +185,54 @@ def _fmt(s: dict) -> str:
     return "\n".join([
         (f"requests   {s['completed']}/{s['requests']} completed, {s['failed']} failed "
          f"({s['rejected_429']} rejected with 429) in {s['duration_s']:.1f} s"),
-        f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s",
+        (f"throughput {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s "
+         f"({s['choices']} choice streams, {s['output_tokens']} tokens)"),
         f"TTFT       {ms(s['ttft'])}", f"TPOT       {ms(s['tpot'])}", f"latency    {ms(s['latency'])}",
-    ] + [f"error: {e}" for e in s["errors"]])
+    ] + _fmt_server(s.get("server") or {}) + [f"error: {e}" for e in s["errors"]])
+
+
+def _fmt_server(d: dict) -> list:
+    """The server's own numbers over the run, where it reported them."""
+    out = []
+    if "mean_batch" in d:
+        out.append(f"server     mean batch {d['mean_batch']:.1f} sequences, {d.get('preemptions', 0)} preemptions")
+    if "kv_io_saving" in d:
+        saved = d.get("kv_read_saved_bytes")
+        out.append(f"KV reads   {d['kv_io_saving']:.1%} shared (1 - unique / visible tokens)"
+                   + (f", {saved / 1e9:.2f} GB not read" if saved is not None else ""))
+    if "prefix_hit_rate" in d:
+        out.append(f"prefix     {d['prefix_hit_rate']:.1%} of prompt tokens found in the cache")
+    return out
+
+
+def traffic_options(args) -> dict:
+    """The ``--n`` ... ``--output-len`` options given, as keyword arguments of the traffic's builder."""
+    names = ("n", "prompt_len", "temperature", "user_len", "output_len")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
 def bench_serve_command(args) -> int:
-    from treeattn.bench.serve import PAT_SYSTEM_PROMPT, bench_serve
+    from treeattn.bench.serve import PAT_SYSTEM_PROMPT, bench_serve, check_traffic, provenance
     from treeattn.tree import find_shared
 
     prepare_output(args.json, "--json")
-    trace = args.trace or find_shared() / "workloads" / "pat" / "conversation_trace.jsonl"
-    summary = bench_serve(trace, url=args.url, rate=args.rate, duration=args.duration,
+    logging.getLogger("httpx").setLevel(logging.WARNING)    # a line per request would bury the summary
+    trace = args.trace
+    if args.traffic == "pat-trace" and trace is None:
+        trace = find_shared() / "workloads" / "pat" / "conversation_trace.jsonl"
+    system = PAT_SYSTEM_PROMPT if args.system_prompt == "pat" else None
+    options = traffic_options(args)
+    # bad combinations fail here, before the server is asked anything
+    check_traffic(args.traffic, rate=args.rate, duration=args.duration, max_requests=args.max_requests,
+                  trace_path=trace, max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                  system_prompt=system, options=options)
+    summary = bench_serve(trace, url=args.url, rate=args.rate, traffic=args.traffic, duration=args.duration,
                           max_requests=args.max_requests, block_tokens=args.block_tokens, seed=args.seed,
                           max_input_len=args.max_input_len, max_output_len=args.max_output_len,
-                          timeout=args.timeout, progress=not args.no_progress,
-                          system_prompt=PAT_SYSTEM_PROMPT if args.system_prompt == "pat" else None)
+                          timeout=args.timeout, progress=not args.no_progress, system_prompt=system,
+                          options=options)
     print(_fmt(summary))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump({**provenance(), **summary}, f, indent=2)
     return 0 if summary["failed"] == 0 else 1
