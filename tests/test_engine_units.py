@@ -103,8 +103,10 @@ def test_presets_and_positions():
         arch="mistral", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
         num_kv_heads=1, head_dim=8, max_position_embeddings=64, sliding_window=8))
     eng = TreeEngine(m, kv_tokens=256)
-    with pytest.raises(ValueError, match="sliding window"):
-        eng.prefill(eng.tree.add_root(), list(range(9)))
+    root = eng.tree.add_root()
+    eng.prefill(root, list(range(9)))               # past the sliding window: windowed attention
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        eng.prefill(root, [1] * 56)
 
 
 # ---------------------------------------------------------------------- malformed workloads
