@@ -222,3 +222,27 @@ def test_unsupported_configs_are_refused_before_the_weights(tmp_path, change, ma
     (tmp_path / "config.json").write_text(json.dumps(cfg))    # no weights at all: refused first
     with pytest.raises(ValueError, match=match):
         load_config(tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("strategy", ["auto", "sequence"])
+def test_cuda_engine_past_the_window_matches_transformers(tmp_path, arch, strategy):
+    """The GPU path: Triton kernels, fused layers, piecewise CUDA graphs with one attention graph
+    per plan (full and sliding-window layers), decode windows, fp32 against transformers."""
+    hf = _hf(arch)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    m = TreeModel.from_pretrained(tmp_path, device="cuda", dtype=torch.float32)
+    eng = TreeEngine(m, strategy=strategy, page_size=16, kv_tokens=4096)
+    assert eng.graphs is not None and eng._attn_graph is not None
+    eng.prepare_graphs([2, 4, 8])
+    ctl = SamplingController([[3, 1, 4, 1, 5], list(range(30, 43))], n=2, sampler=Sampler(seed=0),
+                             max_new_tokens=20, callbacks=periodic_branching(4, 2, 8))
+    check_leaves(hf, [dict(leaf, logits=leaf["logits"].cpu()) for leaf in eng.run(ctl)["leaves"]])
+    assert not eng.graphs.disabled and eng.graphs.max_diff < 1e-4 and eng._attn_graph is not None
+    eng.reset()
+    prompt = [5, 17, 99, 3, 42, 7]
+    beams = eng.beam_search(prompt, num_beams=3, max_new_tokens=12)
+    ref = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
+                      max_new_tokens=12)
+    assert beams.sequences == ref[:, len(prompt):].tolist()
