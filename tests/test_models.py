@@ -10,8 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from treeattn.engine import (BeamSearchController, Sampler, SamplingController, TreeEngine,  # noqa: E402
-                             TreeModel, periodic_branching)
+from treeattn.engine import (Sampler, SamplingController, TreeEngine, TreeModel,  # noqa: E402
+                             periodic_branching)
 from treeattn.engine.config import ModelConfig, load_config  # noqa: E402
 from treeattn.engine.workloads import SpeculativeReplayController  # noqa: E402
 
@@ -74,7 +74,7 @@ def check_leaves(hf, leaves):
 
 
 def test_config_reads_the_architecture(pair):
-    hf, m = pair
+    _, m = pair
     c = m.config
     assert c.qk_norm and c.sliding_window == WINDOW
     if c.arch == "gemma3_text":

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 
 from treeattn import DecodingTree, HeadConfig, KVPool, KVPoolOutOfMemory, TreeAttention
-from treeattn.tree.window import window_tree
 from treeattn.engine.graphs import AttentionGraph, DecodeGraphs
 from treeattn.engine.node_slots import KVCacheManager
 from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.speculative import SpeculativeSteps
 from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
+from treeattn.tree.window import window_tree
 
 __all__ = ["TreeEngine"]
 
