@@ -103,8 +103,10 @@ def test_presets_and_positions():
         arch="mistral", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
         num_kv_heads=1, head_dim=8, max_position_embeddings=64, sliding_window=8))
     eng = TreeEngine(m, kv_tokens=256)
-    with pytest.raises(ValueError, match="sliding window"):
-        eng.prefill(eng.tree.add_root(), list(range(9)))
+    root = eng.tree.add_root()
+    eng.prefill(root, list(range(9)))               # past the sliding window: windowed attention
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        eng.prefill(root, [1] * 56)
 
 
 # ---------------------------------------------------------------------- malformed workloads
@@ -322,44 +324,54 @@ def test_layer_stride_matches_the_pool_layout_and_step_attention_falls_back_to_e
         assert torch.equal(out, want)
 
 
-def test_step_attention_replays_through_the_attention_graph_runner():
-    """With an attention-graph runner, ``for_step`` captures once per step and every layer replays
-    through ``runner.replay`` (which records the barrier event after each replay on a GPU), between
-    the layer's ``attn_begin`` and ``attn_end`` hooks. The runner here is a stand-in that attends
+@pytest.mark.parametrize("sliding", [False, True])
+def test_step_attention_replays_through_the_attention_graph_runner(sliding):
+    """With an attention-graph runner, ``for_step`` captures once per step and plan (the full
+    layers' and the sliding-window layers') and every layer replays its plan's graph through
+    ``runner.replay`` (which records the barrier event after each replay on a GPU), between the
+    layer's ``attn_begin`` and ``attn_end`` hooks. The runner here is a stand-in that attends
     eagerly (CPU has no CUDA graphs)."""
-    from treeattn import DecodingTree
+    from dataclasses import replace
 
-    eng = TreeEngine(TreeModel.random("tiny", device="cpu"), kv_tokens=256)
+    from treeattn import DecodingTree
+    from treeattn.tree import window_tree
+
+    config = ModelConfig.preset("tiny")
+    if sliding:
+        config = replace(config, sliding_window=4, layer_types=("full_attention", "sliding_attention"))
+    eng = TreeEngine(TreeModel.random(config, device="cpu"), kv_tokens=256)
     c = eng.model.config
     tree = DecodingTree.from_parents([-1, 0, 0], [7, 3, 2], page_size=eng.pool.page_size,
                                      num_slots=eng.pool.num_slots)
-    plan = eng.attention.plan(tree, num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
-                              head_dim=c.head_dim, dtype=eng.model.dtype)
+    kw = dict(num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=eng.model.dtype)
+    plan = eng.attention.plan(tree, **kw)
+    window = eng.attention.plan(window_tree(tree, 4), **kw) if sliding else None
+    plans = [window if sliding and layer == 1 else plan for layer in range(c.num_layers)]
     calls = []
 
     class Runner:
-        def capture(self, attention, q, out, plan_):
+        def capture(self, attention, q, out, plan_, *, sm_scale=None):
             calls.append("capture")
             self.q, self.out, self.layer = q, out, 0
-            return "graph"
+            return plan_
 
         def replay(self, graph):
-            calls.append(("replay", graph, self.layer))
-            eng.attention.run(self.q, *eng._paged[self.layer], plan, out=self.out)
+            calls.append(("replay", graph is window, self.layer))
+            eng.attention.run(self.q, *eng._paged[self.layer], graph, out=self.out)
             self.layer += 1
 
     eng._attn_graph = Runner()
     eng.hook = lambda event, layer: calls.append((event, layer))
     q = torch.randn(tree.num_queries, c.num_heads, c.head_dim, dtype=eng.model.dtype)
     out = torch.empty_like(q)
-    step = eng._attend_fn(plan).for_step(q, out)
+    step = eng._attend_fn(plan, window).for_step(q, out)
     for layer in range(eng.pool.num_layers):
         step(layer)
-        want = eng.attention.run(q, *eng._paged[layer], plan)
+        want = eng.attention.run(q, *eng._paged[layer], plans[layer])
         assert torch.equal(out, want)
-    expect = ["capture"]
+    expect = ["capture"] * (2 if sliding else 1)
     for layer in range(eng.pool.num_layers):
-        expect += [("attn_begin", layer), ("replay", "graph", layer), ("attn_end", layer)]
+        expect += [("attn_begin", layer), ("replay", plans[layer] is window, layer), ("attn_end", layer)]
     assert calls == expect
 
 

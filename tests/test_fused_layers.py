@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import rel_l2
 
-from treeattn.engine import TreeModel, fused
+from treeattn.engine import ModelConfig, TreeModel, fused
 from treeattn.engine.model import apply_rope, rms_norm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,6 +168,30 @@ def test_whole_model_fused_matches_unfused(device, dtype):
             assert (a - b).abs().max().item() <= 1e-4
         else:
             assert rel_l2(a, b) <= 2e-2
+    for (ka, va), (kb, vb) in zip(c_fz, c_ref):
+        assert_close(ka, kb)
+        assert_close(va, vb)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_qk_norm_models_fused_match_unfused(device, arch):
+    """Qwen3 / Gemma 3 layers: the fused RoPE + K/V write after the per-head q/k norms (Gemma's
+    norms and GeGLU stay in PyTorch), with both RoPE tables of Gemma's two kinds of layers."""
+    gemma = arch == "gemma3_text"
+    config = ModelConfig(arch=arch, vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                         num_heads=4, num_kv_heads=1, head_dim=16, qk_norm=True, sliding_window=64,
+                         layer_types=("sliding_attention", "full_attention"),
+                         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+                         local_rope_theta=100.0 if gemma else None, max_position_embeddings=512)
+    ref = TreeModel.random(config, device=device, fused=False)
+    fz = TreeModel(config, ref.weights, device=device, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    for w in ref.weights.layers:               # norms other than the identity
+        for t in (w.q_norm, w.k_norm, w.attn_norm):
+            t.add_(torch.randn(t.shape, generator=gen).to(device) * 0.3)
+    (l_ref, c_ref), (l_fz, c_fz) = _run(ref, device), _run(fz, device)
+    for a, b in zip(l_fz, l_ref):
+        assert (a - b).abs().max().item() <= 1e-4
     for (ka, va), (kb, vb) in zip(c_fz, c_ref):
         assert_close(ka, kb)
         assert_close(va, vb)

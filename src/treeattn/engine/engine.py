@@ -3,7 +3,9 @@ branch controller (DeFT App. A.1).
 
 :meth:`TreeEngine.decode` is one decode step: one new token for each of a set of leaves, written
 to the paged KV pool, then every layer attends over the decoding tree with treeattn (one plan per
-step, or per *decode window* of several steps). :meth:`TreeEngine.verify` is one speculative
+step, or per *decode window* of several steps; sliding-window layers attend over the tree of the
+tokens in their windows, planned every step in which some path is longer than the window).
+:meth:`TreeEngine.verify` is one speculative
 verification step (:mod:`treeattn.engine.speculative`): a draft token tree below a leaf, queried
 as tree-structured queries. Nothing
 in a step waits for the GPU, so the host prepares step ``t + 1`` while the GPU runs step ``t``; it
@@ -26,6 +28,7 @@ from treeattn.engine.planning import StepPlanner, upload
 from treeattn.engine.speculative import SpeculativeSteps
 from treeattn.engine.step import StepAttention, StepStats, Window
 from treeattn.engine.tree_manager import SequenceTree
+from treeattn.tree.window import window_tree
 
 __all__ = ["TreeEngine"]
 
@@ -109,6 +112,12 @@ class TreeEngine(SpeculativeSteps):
         # the planning thread's own planner (:meth:`plan_ahead`): a step never waits for it
         self._ahead_planner = StepPlanner(heads, strategy=strategy, device=model.device,
                                           auto_refresh=auto_refresh, cost=self.attention.cost)
+        #: the sliding window of the model's sliding-window layers (None: it has none)
+        self.sliding_window = c.sliding_window if "sliding_attention" in c.layer_types else None
+        # sliding layers' trees change their window start every step: their own planner keeps
+        # the full layers' patching and `auto` decisions apart
+        self.sliding_planner = None if self.sliding_window is None else StepPlanner(
+            heads, strategy=strategy, device=model.device, auto_refresh=auto_refresh, cost=self.attention.cost)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
@@ -291,8 +300,9 @@ class TreeEngine(SpeculativeSteps):
             # the same leaves continue past this window: plan the next one while the GPU works
             self.plan_ahead(nodes, horizon - 1 - w.left, after=w.left)
         mine = sum(own)
-        logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms, w.tokens,
-                               (w.above[0] + mine, w.above[1] + mine))
+        sliding, sliding_ms = self._sliding_plan(pos, lambda: self.tree.decoding_tree(nodes))
+        logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms + sliding_ms, w.tokens,
+                               (w.above[0] + mine, w.above[1] + mine), sliding=sliding)
         for i, n in enumerate(nodes):
             self._logits[n] = (logits, i)
         return logits
@@ -367,6 +377,15 @@ class TreeEngine(SpeculativeSteps):
                     if n in self.tree:
                         self.kv.drop_reserved(n, keep=w.left if w is not None and n in w.nodes else 0)
 
+    def _sliding_plan(self, pos: np.ndarray, tree) -> tuple:
+        """``(plan, ms)`` of the sliding-window layers for queries at positions ``pos`` over the
+        tree ``tree()`` (made only when needed); ``(None, 0.0)`` when no query sees more tokens than
+        the window, so the full layers' plan serves them too (within a decode window as well)."""
+        if self.sliding_window is None or int(pos.max()) < self.sliding_window:
+            return None, 0.0
+        plan = self.sliding_planner.plan(window_tree(tree(), self.sliding_window))
+        return plan, self.sliding_planner.last_ms
+
     def _skip(self, nodes, tokens, t0) -> torch.Tensor:
         """Bookkeeping of a step that does not run the model (fast-forward): zeros as logits."""
         self._close_window()
@@ -377,7 +396,7 @@ class TreeEngine(SpeculativeSteps):
         return logits
 
     def _forward(self, tokens, pos, slots, plan, kind, t0, plan_ms, tree_tokens,
-                 seen=(0, 0)) -> torch.Tensor:
+                 seen=(0, 0), *, sliding=None) -> torch.Tensor:
         t1 = time.perf_counter()
         n = len(pos)
         if self.compute:
@@ -385,7 +404,7 @@ class TreeEngine(SpeculativeSteps):
             while bounded and len(self._inflight) >= self.max_inflight:
                 self._inflight.popleft().synchronize()
             self._fire("forward_begin")
-            logits = self._run_model(tokens, pos, slots, plan)
+            logits = self._run_model(tokens, pos, slots, plan, sliding)
             self._fire("forward_end")
             if bounded:
                 self._inflight.append(torch.cuda.Event())
@@ -405,24 +424,24 @@ class TreeEngine(SpeculativeSteps):
             del self._logits[gone]
         return logits
 
-    def _ensure_workspace(self, plan) -> None:
+    def _ensure_workspace(self, *plans) -> None:
         if self.attention.backend == "triton":
-            need = plan.workspace_bytes() // 4
+            need = max(p.workspace_bytes() for p in plans if p is not None) // 4
             if self._workspace is None or self._workspace.numel() < need:
                 self._workspace = torch.empty(max(need, 1 << 20), dtype=torch.float32, device=self.device)
                 self.attention = TreeAttention(self._workspace, device=self.device, backend=self.backend,
                                                streams=0, pdl=self.attention.pdl)
 
-    def _attend_fn(self, plan):
-        return StepAttention(self, plan)
+    def _attend_fn(self, plan, sliding=None):
+        return StepAttention(self, plan, sliding)
 
     def _fire(self, event: str, layer: int = -1) -> None:
         if self.hook is not None:
             self.hook(event, layer)
 
-    def _run_model(self, tokens, pos, slots, plan) -> torch.Tensor:
-        self._ensure_workspace(plan)
-        attend = self._attend_fn(plan)
+    def _run_model(self, tokens, pos, slots, plan, sliding=None) -> torch.Tensor:
+        self._ensure_workspace(plan, sliding)
+        attend = self._attend_fn(plan, sliding)
         if self.graphs is not None and self.graphs.supports(len(pos)):
             return self.graphs.run(tokens, pos, slots, attend)
         d = self.device
@@ -475,14 +494,8 @@ class TreeEngine(SpeculativeSteps):
                               np.zeros(m, dtype=np.int64), slots, self._attend_fn(plan))
 
     def _check_positions(self, pos: np.ndarray) -> None:
-        if not pos.size:
-            return
-        top = int(pos.max())
-        c = self.model.config
-        if c.sliding_window is not None and top >= c.sliding_window:
-            raise ValueError(f"position {top} exceeds the model's sliding window ({c.sliding_window}); "
-                             "sliding-window attention is not supported")
-        self.model.ensure_positions(top + 1)
+        if pos.size:
+            self.model.ensure_positions(int(pos.max()) + 1)
 
     def _close_window(self) -> None:
         self._drop_ahead()

@@ -212,16 +212,19 @@ class AttentionGraph:
         self._stream = torch.cuda.Stream(k_cache.device)
         self._barrier = torch.cuda.Event(enable_timing=True)
 
-    def capture(self, attention, q: torch.Tensor, out: torch.Tensor, plan) -> torch.cuda.CUDAGraph:
+    def capture(self, attention, q: torch.Tensor, out: torch.Tensor, plan, *,
+                sm_scale: float | None = None) -> torch.cuda.CUDAGraph:
         """Capture ``attention.run`` of ``plan`` into ``out`` and the counter's increment; reset the
-        counter to layer 0 (on the current stream, before the first replay)."""
+        counter to layer 0 (on the current stream, before the first replay). A step whose layers
+        use two plans (full and sliding-window layers) captures one graph for each: every replay,
+        whichever graph it is, attends the next layer."""
         graph = torch.cuda.CUDAGraph()
         # capture_begin directly: torch.cuda.graph() would synchronise and collect garbage, every step
         with torch.cuda.stream(self._stream):
             graph.capture_begin(capture_error_mode="relaxed")
             try:
-                attention.run(q, self.k_cache, self.v_cache, plan, out=out, layer=self.counter,
-                              layer_stride=self.layer_stride)
+                attention.run(q, self.k_cache, self.v_cache, plan, out=out, sm_scale=sm_scale,
+                              layer=self.counter, layer_stride=self.layer_stride)
                 self.counter.add_(1)
             finally:
                 graph.capture_end()

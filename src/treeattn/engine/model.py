@@ -1,12 +1,15 @@
-"""A Llama-family decoder (RMSNorm, RoPE with Llama-3 scaling, GQA, SwiGLU; Llama, Mistral and
-Qwen2 checkpoints) whose decode attention is supplied by the caller (treeattn over the paged tree
-KV cache) and whose prefill uses causal SDPA.
+"""A Llama-family decoder (RMSNorm, RoPE with Llama-3 scaling, GQA, SwiGLU; Llama, Mistral, Qwen2
+and Qwen3 checkpoints, and Gemma 3's variant: ``1 + w`` norms around attention and MLP, GeGLU,
+scaled embeddings, sliding-window layers with their own RoPE base) whose decode attention is
+supplied by the caller (treeattn over the paged tree KV cache) and whose prefill uses causal SDPA
+(with the sliding window's mask in sliding-window layers).
 
 The forward pass is split into per-layer pieces (:meth:`TreeModel.pre_attention`,
 :meth:`TreeModel.post_attention`) so that the pieces between two attention calls can be captured
 in CUDA graphs (:mod:`treeattn.engine.graphs`). On CUDA the elementwise parts of those pieces run as
 fused Triton kernels (:mod:`treeattn.engine.fused`: RMSNorm with the residual add, RoPE of q and k
-with the K/V cache write, SwiGLU); the PyTorch code here is the reference and the CPU path.
+with the K/V cache write, SwiGLU); the PyTorch code here is the reference and the CPU path, and
+runs the parts the kernels do not cover (per-head q/k norms, Gemma's norms and GeGLU).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from treeattn.engine import fused
 from treeattn.engine.config import ModelConfig, load_config
 from treeattn.engine.weights import Weights, load_weights, random_weights
 
-__all__ = ["TreeModel", "rms_norm", "apply_rope"]
+__all__ = ["TreeModel", "rms_norm", "gemma_rms_norm", "apply_rope"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,6 +34,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, factor: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm as transformers computes it: scaled by ``factor = 1 + w`` in float32, then
+    cast. ``x`` ``[..., C]`` in the model dtype, ``factor`` float32 ``[C]``; returns ``x``'s shape
+    and dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * factor).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [n, heads, D]`` by ``cos, sin [n, D]`` (rotate-half layout, as in transformers)."""
     half = x.shape[-1] // 2
@@ -39,7 +50,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TreeModel:
-    """Llama-family decoder over a flat paged KV cache.
+    """Decoder over a flat paged KV cache.
 
     Parameters
     ----------
@@ -52,12 +63,14 @@ class TreeModel:
     fused : bool or None
         Run the elementwise parts as fused Triton kernels (:mod:`treeattn.engine.fused`); default:
         on CUDA. On CPU they need Triton's interpreter (``TRITON_INTERPRET=1``). Can be changed
-        later through the ``fused`` attribute.
+        later through the ``fused`` attribute. Gemma's norms and GeGLU always run in PyTorch.
 
     Notes
     -----
     ``caches`` arguments are lists with one ``(k, v)`` pair per layer, each ``[num_slots, Hkv, D]``
-    (a flat view of the KV pool: slot ``s`` holds the key/value of one token).
+    (a flat view of the KV pool: slot ``s`` holds the key/value of one token). ``cos`` and ``sin``
+    are the RoPE tables ``[P, D]`` of the full-attention layers; sliding-window layers with their
+    own RoPE base (Gemma 3) use ``local_cos`` and ``local_sin``.
     """
 
     def __init__(self, config: ModelConfig, weights: Weights, *, device="cpu", dtype=torch.float32,
@@ -67,8 +80,13 @@ class TreeModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self._inv_freq = config.inv_freq().to(self.device)
+        self._local_inv_freq = (config.inv_freq(local=True).to(self.device)
+                                if config.local_rope_theta is not None else None)
         self.cos = torch.empty(0, config.head_dim, device=self.device, dtype=dtype)
         self.sin = torch.empty_like(self.cos)
+        self.local_cos, self.local_sin = self.cos, self.sin
+        self._embed_scale = (torch.tensor(config.embed_scale, dtype=dtype, device=self.device)
+                             if config.embed_scale is not None else None)
         self.tokenizer = None
         self.fused = self.device.type == "cuda" if fused is None else bool(fused)
 
@@ -103,13 +121,38 @@ class TreeModel:
         if n <= self.cos.shape[0]:
             return
         n = min(self.config.max_position_embeddings, max(n, 2 * self.cos.shape[0]))
-        freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self._inv_freq[None, :]
+        self.cos, self.sin = self._tables(n, self._inv_freq)
+        self.local_cos, self.local_sin = (self.cos, self.sin) if self._local_inv_freq is None else \
+            self._tables(n, self._local_inv_freq)
+
+    def _tables(self, n: int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def _rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.local_cos, self.local_sin) if self.config.local_rope(layer) else (self.cos, self.sin)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` int64 ``[n]`` -> hidden states ``[n, hidden]``."""
-        return self.weights.embed.index_select(0, tokens)
+        e = self.weights.embed.index_select(0, tokens)
+        return e if self._embed_scale is None else e * self._embed_scale
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of ``x [..., C]``: Gemma's, fused (one kernel) or PyTorch's."""
+        c = self.config
+        if c.gemma:
+            return gemma_rms_norm(x, weight, c.rms_norm_eps)
+        return (fused.rms_norm if self.fused else rms_norm)(x, weight, c.rms_norm_eps)
+
+    def _qk_norm(self, qkv: torch.Tensor, w) -> torch.Tensor:
+        """``qkv [n, q + 2 kv]`` with every query and key head RMS-normed (Qwen3, Gemma 3)."""
+        c, n = self.config, qkv.shape[0]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        norm = gemma_rms_norm if c.gemma else rms_norm
+        q = norm(q.reshape(n, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)
+        k = norm(k.reshape(n, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
+        return torch.cat((q.reshape(n, c.q_size), k.reshape(n, c.kv_size), v), dim=-1)
 
     def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       caches, *, q_out: torch.Tensor | None = None
@@ -118,18 +161,19 @@ class TreeModel:
         are written to ``slots`` int64 ``[n]`` of the layer's cache. Returns ``(q [n, Hq, D], k, v
         [n, Hkv, D])``; ``q`` is written into ``q_out [n, Hq, D]`` (and returned) when given.
 
-        Fused: 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
+        Fused (Llama-like layers): 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
         c, w = self.config, self.weights.layers[layer]
         n = h.shape[0]
         kc, vc = caches[layer]
+        cos, sin = self._rope(layer)
+        qkv = F.linear(self._norm(h, w.attn_norm), w.qkv, w.qkv_bias)
+        if c.qk_norm:
+            qkv = self._qk_norm(qkv, w)
         if self.fused:
-            x = fused.rms_norm(h, w.attn_norm, c.rms_norm_eps)
-            return fused.rope_qkv_cache(F.linear(x, w.qkv, w.qkv_bias), self.cos, self.sin, positions,
-                                        slots, kc, vc, c.num_heads, c.num_kv_heads, c.head_dim,
-                                        q_out=q_out)
-        x = rms_norm(h, w.attn_norm, c.rms_norm_eps)
-        q, k, v = F.linear(x, w.qkv, w.qkv_bias).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+            return fused.rope_qkv_cache(qkv, cos, sin, positions, slots, kc, vc, c.num_heads,
+                                        c.num_kv_heads, c.head_dim, q_out=q_out)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
         k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
         v = v.view(n, c.num_kv_heads, c.head_dim)
@@ -144,24 +188,33 @@ class TreeModel:
         """Output projection of the attention result ``o [n, Hq, D]``, residual, MLP, residual.
         Returns the new ``h [n, hidden]``, written into ``out`` when given (``out`` may be ``h``).
 
-        Fused: 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add); unfused: about 15."""
+        Fused (Llama-like layers): 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add);
+        unfused: about 15."""
         c, w = self.config, self.weights.layers[layer]
         a = F.linear(o.reshape(h.shape[0], c.q_size), w.o, w.o_bias)
-        if self.fused:
+        if c.gemma:
+            h = h + gemma_rms_norm(a, w.attn_out_norm, c.rms_norm_eps)
+            d = self._mlp(gemma_rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
+            h = h + gemma_rms_norm(d, w.mlp_out_norm, c.rms_norm_eps)
+            return h if out is None else out.copy_(h)
+        if self.fused and c.hidden_act == "silu":
             h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
             act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
             d = F.linear(act, w.down, w.down_bias)
             return torch.add(h, d, out=out) if out is not None else h.add_(d)
         h = h + a
-        x = rms_norm(h, w.mlp_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        h = h + self._mlp(rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
         return h if out is None else out.copy_(h)
+
+    def _mlp(self, x: torch.Tensor, w) -> torch.Tensor:
+        """The gated MLP of ``x [n, hidden]``: SwiGLU, or GeGLU with tanh-approximated GELU."""
+        gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        return F.linear(act * up, w.down, w.down_bias)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]``."""
-        norm = fused.rms_norm if self.fused else rms_norm
-        return F.linear(norm(h, self.weights.norm, self.config.rms_norm_eps), self.weights.lm_head).float()
+        return F.linear(self._norm(h, self.weights.norm), self.weights.lm_head).float()
 
     # ------------------------------------------------------------------ passes
     @torch.no_grad()
@@ -189,7 +242,9 @@ class TreeModel:
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 context_slots: torch.Tensor, caches, *, all_logits: bool = False) -> torch.Tensor:
-        """Causal prefill of ``L`` tokens that follow ``C`` context tokens already in the cache.
+        """Causal prefill of ``L`` tokens that follow ``C`` context tokens already in the cache
+        (the whole path before them: context token ``i`` sits at position ``i``); in sliding-window
+        layers each token sees the last ``sliding_window`` tokens only.
 
         Parameters
         ----------
@@ -206,19 +261,28 @@ class TreeModel:
         c = self.config
         L, C = tokens.shape[0], context_slots.shape[0]
         group = c.num_heads // c.num_kv_heads
-        all_slots = torch.cat((context_slots, slots))
-        mask = None
-        if C:
-            key = torch.arange(C + L, device=self.device)
-            mask = key[None, :] <= (C + torch.arange(L, device=self.device))[:, None]
+        dev = self.device
+        query = C + torch.arange(L, device=dev)
+        # per kind of layer: the slots of the keys it reads and the mask (None: causal) over them
+        full_slots = torch.cat((context_slots, slots))
+        full = (full_slots, None if not C else torch.arange(C + L, device=dev)[None, :] <= query[:, None])
+        kinds = {None: full}
+        if c.sliding_window is not None:
+            # the first context token any query's window reaches: C - (W - 1)
+            first = max(0, C - c.sliding_window + 1)
+            key = torch.arange(first, C + L, device=dev)[None, :]
+            win_mask = (key <= query[:, None]) & (key > query[:, None] - c.sliding_window)
+            kinds[c.sliding_window] = (torch.cat((context_slots[first:], slots)), win_mask)
         h = self.embed(tokens)
         for layer in range(c.num_layers):
             q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
             kc, vc = caches[layer]
-            k = kc.index_select(0, all_slots).repeat_interleave(group, dim=1)
-            v = vc.index_select(0, all_slots).repeat_interleave(group, dim=1)
+            key_slots, mask = kinds[c.layer_window(layer)]
+            k = kc.index_select(0, key_slots).repeat_interleave(group, dim=1)
+            v = vc.index_select(0, key_slots).repeat_interleave(group, dim=1)
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], attn_mask=mask, is_causal=not C)
+                                               v.transpose(0, 1)[None], attn_mask=mask,
+                                               is_causal=mask is None, scale=c.sm_scale)
             h = self.post_attention(layer, h, o[0].transpose(0, 1))
         out = self.logits(h if all_logits else h[-1:])
         return out if all_logits else out[0]

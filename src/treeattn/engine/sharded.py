@@ -132,6 +132,8 @@ class ShardedTreeEngine(TreeEngine):
     """
 
     def __init__(self, model, *, group=None, block: int | None = None, **kw):
+        if model.config.query_pre_attn_scalar is not None:
+            raise ValueError("query_pre_attn_scalar (Gemma 3) is not supported with a sharded KV cache")
         kw["window"], kw["cuda_graphs"] = 1, False
         super().__init__(model, **kw)
         self.group = group
@@ -203,7 +205,7 @@ class ShardedTreeEngine(TreeEngine):
             self._logits[n] = (logits, i)
         return logits
 
-    def _run_model(self, tokens, pos, slots, plan) -> torch.Tensor:
+    def _run_model(self, tokens, pos, slots, plan, sliding=None) -> torch.Tensor:
         if plan is not None:
             self._ensure_workspace(plan)
         lplan = self._lplan
@@ -216,6 +218,13 @@ class ShardedTreeEngine(TreeEngine):
             return o
         d = self.device
         return self.model.decode(tokens, upload(pos, d), upload(slots, d), self.kv.caches, attend)
+
+    def _check_positions(self, pos: np.ndarray) -> None:
+        w = self.sliding_window
+        if w is not None and pos.size and int(pos.max()) >= w:
+            raise ValueError(f"position {int(pos.max())} exceeds the model's sliding window ({w}); "
+                             "sliding-window attention is not supported with a sharded KV cache")
+        super()._check_positions(pos)
 
     def verify(self, *args, **kw):
         raise NotImplementedError("speculative verification is not supported with a sharded KV cache")

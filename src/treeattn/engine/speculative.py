@@ -40,14 +40,16 @@ class SpeculativeSteps:
         dslots = self.kv.scratch(par.size)
         pos = np.concatenate((rpos, rpos[0] + depth))
         self._check_positions(pos)
-        plan, plan_ms, ntok, seen = None, 0.0, 0, (0, 0)
+        plan, plan_ms, ntok, seen, sliding = None, 0.0, 0, (0, 0), None
         if self.compute:
             dtree = self.tree.decoding_tree([node], drafts=(node, par, dslots))
             plan, plan_ms, ntok = self.planner.plan(dtree), self.planner.last_ms, dtree.num_tokens
             seen = (int(dtree.visible_tokens.sum()), int(dtree.node_extent.sum()))
+            sliding, sliding_ms = self._sliding_plan(pos, lambda: dtree)
+            plan_ms += sliding_ms
         tokens = torch.cat((root_token.reshape(1), draft_tokens.reshape(-1)))
         logits = self._forward(tokens, pos, np.concatenate((rslot, dslots)), plan, "verify", t0,
-                               plan_ms, ntok, seen)
+                               plan_ms, ntok, seen, sliding=sliding)
         self._verify = (node, dslots, draft_tokens.reshape(-1), logits)
         self._logits[node] = (logits, 0)
         return logits

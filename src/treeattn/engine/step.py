@@ -57,33 +57,44 @@ class Window:
 
 class StepAttention:
     """A decode step's attention for :class:`DecodeGraphs`: ``attend(layer, q, out)`` runs one
-    layer eagerly; ``for_step(q, out)`` captures the step's :class:`AttentionGraph` once and
-    returns ``layer -> None`` that replays it (eager layers when there is none or capture fails)."""
+    layer eagerly; ``for_step(q, out)`` captures the step's :class:`AttentionGraph` once per plan
+    and returns ``layer -> None`` that replays the layer's (eager layers when there is none or
+    capture fails).
 
-    def __init__(self, engine, plan):
-        self.engine, self.plan = engine, plan
+    ``plan`` serves the full-attention layers and, when ``sliding`` is None, the sliding-window
+    layers too; ``sliding`` is the plan of the tree of the sliding windows
+    (:func:`~treeattn.tree.window.window_tree`)."""
+
+    def __init__(self, engine, plan, sliding=None):
+        self.engine, self.plan, self.sliding = engine, plan, sliding
+        c = engine.model.config
+        self.sm_scale = c.sm_scale
+        self.plans = [sliding if sliding is not None and c.layer_window(layer) is not None else plan
+                      for layer in range(c.num_layers)]
 
     def __call__(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         e = self.engine
         e._fire("attn_begin", layer)
-        o = e.attention.run(q, *e._paged[layer], self.plan, out=out)
+        o = e.attention.run(q, *e._paged[layer], self.plans[layer], out=out, sm_scale=self.sm_scale)
         e._fire("attn_end", layer)
         return o
 
     def for_step(self, q: torch.Tensor, out: torch.Tensor):
         e = self.engine
-        graph, runner = None, e._attn_graph
+        graphs, runner = None, e._attn_graph
         if runner is not None:
             try:
-                graph = runner.capture(e.attention, q, out, self.plan)
+                graphs = {id(p): runner.capture(e.attention, q, out, p, sm_scale=self.sm_scale)
+                          for p in {id(p): p for p in self.plans}.values()}
             except RuntimeError as err:  # eager attention is always correct
                 log.warning("capturing the attention graph failed (%s); attention runs eagerly", err)
                 e._attn_graph = None
-        if graph is None:
+        if graphs is None:
             return lambda layer: self(layer, q, out)
+        by_layer = [graphs[id(p)] for p in self.plans]
 
         def replay(layer: int) -> None:
             e._fire("attn_begin", layer)
-            runner.replay(graph)
+            runner.replay(by_layer[layer])
             e._fire("attn_end", layer)
         return replay

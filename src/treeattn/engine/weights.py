@@ -2,7 +2,8 @@
 shape built directly on the target device, and the tokenizer of a model directory.
 
 The q/k/v projections are fused into one ``[q + 2 kv, hidden]`` matrix and gate/up into one
-``[2 intermediate, hidden]`` matrix at load time.
+``[2 intermediate, hidden]`` matrix at load time. Gemma's RMSNorm weights ``w`` are stored as the
+float32 factors ``1 + w`` its norms multiply by.
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ class LayerWeights:
     down_bias : [hidden] or None
     attn_norm, mlp_norm : [hidden]
         RMSNorm weights before attention and before the MLP.
+    q_norm, k_norm : [head_dim] or None
+        RMSNorm weights of every query / key head (Qwen3, Gemma 3).
+    attn_out_norm, mlp_out_norm : [hidden] or None
+        RMSNorm weights of the attention and MLP outputs before their residual adds (Gemma 3).
     """
 
     qkv: torch.Tensor
@@ -48,6 +53,18 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+
+
+#: HF names of the norms (below ``model.layers.{i}.``): Gemma's post_attention_layernorm normalises
+#: the attention output, its pre_feedforward_layernorm is the MLP's input norm
+_NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
+_GEMMA_NORMS = {"attn_norm": "input_layernorm.weight", "attn_out_norm": "post_attention_layernorm.weight",
+                "mlp_norm": "pre_feedforward_layernorm.weight", "mlp_out_norm": "post_feedforward_layernorm.weight"}
+_NORM_KEYS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp_out_norm")
 
 
 @dataclass
@@ -61,13 +78,25 @@ class Weights:
     lm_head: torch.Tensor
 
 
-def _hf_names(config: ModelConfig, i: int) -> dict:
-    p = f"model.layers.{i}."
+def _prefixes(config: ModelConfig, names) -> tuple[str, str]:
+    """``(model, lm_head)`` name prefixes: ``model.`` and none, or those of a multimodal
+    checkpoint's language model (transformers v5's ``model.language_model.`` or v4's
+    ``language_model.model.``)."""
+    if not config.language_model:
+        return "model.", ""
+    if "language_model.model.embed_tokens.weight" in names:
+        return "language_model.model.", "language_model."
+    return "model.language_model.", ""
+
+
+def _hf_names(config: ModelConfig, i: int, prefix: str = "model.") -> dict:
+    p = f"{prefix}layers.{i}."
     names = {k: p + v for k, v in {
         "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
         "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-        "down": "mlp.down_proj.weight", "attn_norm": "input_layernorm.weight",
-        "mlp_norm": "post_attention_layernorm.weight"}.items()}
+        "down": "mlp.down_proj.weight", **(_GEMMA_NORMS if config.gemma else _NORMS)}.items()}
+    if config.qk_norm:
+        names.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
     if config.qkv_bias:
         names.update(qb=p + "self_attn.q_proj.bias", kb=p + "self_attn.k_proj.bias",
                      vb=p + "self_attn.v_proj.bias")
@@ -79,16 +108,18 @@ def _hf_names(config: ModelConfig, i: int) -> dict:
     return names
 
 
-def _expected_shapes(config: ModelConfig) -> dict:
+def _expected_shapes(config: ModelConfig, prefix: str = "model.", head_prefix: str = "") -> dict:
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    shapes = {f"{prefix}embed_tokens.weight": (config.vocab_size, h), f"{prefix}norm.weight": (h,)}
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
+        shapes[f"{head_prefix}lm_head.weight"] = (config.vocab_size, h)
+    d = config.head_dim
     per = {"q": (q, h), "k": (kv, h), "v": (kv, h), "o": (h, q), "gate": (i, h), "up": (i, h),
-           "down": (h, i), "attn_norm": (h,), "mlp_norm": (h,), "qb": (q,), "kb": (kv,), "vb": (kv,),
+           "down": (h, i), "attn_norm": (h,), "mlp_norm": (h,), "attn_out_norm": (h,), "mlp_out_norm": (h,),
+           "q_norm": (d,), "k_norm": (d,), "qb": (q,), "kb": (kv,), "vb": (kv,),
            "ob": (h,), "gateb": (i,), "upb": (i,), "downb": (h,)}
     for layer in range(config.num_layers):
-        for key, name in _hf_names(config, layer).items():
+        for key, name in _hf_names(config, layer, prefix).items():
             shapes[name] = per[key]
     return shapes
 
@@ -149,7 +180,8 @@ def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.fl
 
     path = Path(model_dir)
     where = _checkpoint_files(path)
-    shapes = _expected_shapes(config)
+    prefix, head_prefix = _prefixes(config, where)
+    shapes = _expected_shapes(config, prefix, head_prefix)
     missing = [n for n in shapes if n not in where]
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the {config.arch} config "
@@ -166,26 +198,34 @@ def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.fl
     extra = len(where) - len(shapes)
     if extra > 0:
         log.debug("%s: ignoring %d tensors the model does not use", path, extra)
+    norm = _gemma_norm if config.gemma else (lambda w: w)
     layers = []
     for i in range(config.num_layers):
-        n = {k: tensors.pop(v) for k, v in _hf_names(config, i).items()}
+        n = {k: tensors.pop(v) for k, v in _hf_names(config, i, prefix).items()}
         layers.append(LayerWeights(
             qkv=torch.cat([n["q"], n["k"], n["v"]]).contiguous(),
             qkv_bias=torch.cat([n["qb"], n["kb"], n["vb"]]) if config.qkv_bias else None,
             o=n["o"], o_bias=n.get("ob"),
             gate_up=torch.cat([n["gate"], n["up"]]).contiguous(),
             gate_up_bias=torch.cat([n["gateb"], n["upb"]]) if config.mlp_bias else None,
-            down=n["down"], down_bias=n.get("downb"), attn_norm=n["attn_norm"], mlp_norm=n["mlp_norm"]))
-    embed = tensors["model.embed_tokens.weight"]
-    head = embed if config.tie_word_embeddings else tensors["lm_head.weight"]
-    return Weights(embed=embed, layers=layers, norm=tensors["model.norm.weight"], lm_head=head)
+            down=n["down"], down_bias=n.get("downb"),
+            **{k: norm(n[k]) for k in _NORM_KEYS if k in n}))
+    embed = tensors[f"{prefix}embed_tokens.weight"]
+    head = embed if config.tie_word_embeddings else tensors[f"{head_prefix}lm_head.weight"]
+    return Weights(embed=embed, layers=layers, norm=norm(tensors[f"{prefix}norm.weight"]), lm_head=head)
+
+
+def _gemma_norm(w: torch.Tensor) -> torch.Tensor:
+    """The float32 factor ``1 + w`` of a Gemma RMSNorm weight held in the model's dtype."""
+    return 1.0 + w.float()
 
 
 def random_weights(config: ModelConfig, *, device="cpu", dtype=torch.float32, seed: int = 0,
                    std: float = 0.02) -> Weights:
     """Random weights of ``config``'s shape, drawn on ``device`` (no host copy; 8B in bf16 = 16 GB).
 
-    Matrices are normal(0, ``std``), norms are ones, biases zeros.
+    Matrices are normal(0, ``std``), norms are the identity (ones; Gemma's float32 ``1 + 0``),
+    biases zeros.
     """
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -196,17 +236,21 @@ def random_weights(config: ModelConfig, *, device="cpu", dtype=torch.float32, se
     def bias(n, on):
         return torch.zeros(n, device=device, dtype=dtype) if on else None
 
+    def ones(n, on=True):
+        return torch.ones(n, device=device, dtype=torch.float32 if config.gemma else dtype) if on else None
+
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    d = config.head_dim
     layers = [LayerWeights(
         qkv=mat(q + 2 * kv, h), qkv_bias=bias(q + 2 * kv, config.qkv_bias), o=mat(h, q),
         o_bias=bias(h, config.o_bias), gate_up=mat(2 * i, h), gate_up_bias=bias(2 * i, config.mlp_bias),
-        down=mat(h, i), down_bias=bias(h, config.mlp_bias),
-        attn_norm=torch.ones(h, device=device, dtype=dtype),
-        mlp_norm=torch.ones(h, device=device, dtype=dtype))
+        down=mat(h, i), down_bias=bias(h, config.mlp_bias), attn_norm=ones(h), mlp_norm=ones(h),
+        q_norm=ones(d, config.qk_norm), k_norm=ones(d, config.qk_norm),
+        attn_out_norm=ones(h, config.gemma), mlp_out_norm=ones(h, config.gemma))
         for _ in range(config.num_layers)]
     embed = mat(config.vocab_size, h)
     head = embed if config.tie_word_embeddings else mat(config.vocab_size, h)
-    return Weights(embed=embed, layers=layers, norm=torch.ones(h, device=device, dtype=dtype), lm_head=head)
+    return Weights(embed=embed, layers=layers, norm=ones(h), lm_head=head)
 
 
 def load_tokenizer(model_dir):
