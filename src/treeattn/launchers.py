@@ -16,12 +16,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from treeattn.kernels.attention import _tree_partial_attention_kernel
 from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
+from treeattn.kernels.sampling import _sample_combine_kernel, _sample_partial_kernel
 from treeattn.kernels.state import LOG2E
 from treeattn.plan.lower.merge_config import merge_config, merge_row_tile
 from treeattn.plan.format import Plan
 
 __all__ = ["SUPPORTED_DTYPES", "attention_constexprs", "check_attention_inputs", "partial_attention",
-           "merge_partials", "launch_cache", "check_triton_device"]
+           "merge_partials", "launch_cache", "check_triton_device", "gumbel_argmax"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -342,3 +343,96 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def _row_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, rows: int, device: torch.device) -> None:
+    if not (t.dtype == dtype and t.shape == (rows,) and t.device == device):
+        raise ValueError(f"{name} must be a {dtype} [{rows}] tensor on {device}, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+
+
+def gumbel_argmax(logits: torch.Tensor, *, streams: torch.Tensor | None = None,
+                  counter: int | torch.Tensor = 0, scale: float | torch.Tensor = 1.0, stats: bool = False,
+                  block: int | None = None, parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of ``logits``, in one pass over it: the Gumbel-max token ``argmax(x + G)`` of
+    ``x = logits.float() * scale`` (float32 products) and ``G = gumbel_noise(streams, counter, V)``
+    (:func:`treeattn.engine.sampling.gumbel_noise`, the same values), or ``argmax(x)`` without
+    ``streams``; with ``stats``, also ``x``'s max and log-sum-exp.
+
+    Parameters
+    ----------
+    logits : [n, V] float16, bfloat16 or float32, any strides
+    streams : int64 [n], optional
+        The rows' random streams (see ``gumbel_noise``); None: no noise (greedy).
+    counter : int in ``[0, 2**32)`` or int64 ``[n]`` tensor
+        The noise's counter, for every row or per row.
+    scale : float or float32 ``[n]`` tensor
+        Multiplies the logits: the inverse temperature, rounded to float32 (> 0).
+    stats : bool
+        Also return ``norm``.
+    block, parts : int, optional
+        Vocabulary entries a program reads per iteration (a power of two) and programs per row
+        (default: about 8 programs a multiprocessor over all rows, at most one per ``block``).
+
+    Returns
+    -------
+    tokens : int64 [n]
+        Ties go to the first index; a NaN counts as larger than every number (``torch.argmax``'s
+        rule), so a row with a NaN in ``x + G`` gives its first NaN's index, as the torch path
+        does (raising instead would need a read on the host).
+    norm : float32 [n, 2] or None
+        ``(max, log(sum(exp(x - max))))`` of each row: token ``t``'s log-probability under
+        ``softmax(x)`` is ``(x[t] - max) - norm[:, 1]``, as ``torch.log_softmax`` computes it
+        (NaN for a row with a NaN or +inf in ``x``, or only -inf).
+
+    Nothing is read back to the host, so the call can be queued ahead of the device.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in SUPPORTED_DTYPES:
+        raise ValueError("logits must be a float16 / bfloat16 / float32 [n, vocab] tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
+    n, vocab = logits.shape
+    if not 0 < vocab < 1 << 31:
+        raise ValueError(f"vocab must be in [1, 2**31), got {vocab}")
+    dev = logits.device
+    dummy = logits  # (pointer arguments a constexpr flag leaves unread)
+    if streams is not None:
+        _row_tensor(streams, "streams", torch.int64, n, dev)
+    row_counter = isinstance(counter, torch.Tensor)
+    if row_counter:
+        _row_tensor(counter, "counter", torch.int64, n, dev)
+    elif not 0 <= counter < 1 << 32:
+        raise ValueError(f"counter must be in [0, 2**32), got {counter}")
+    row_scale = isinstance(scale, torch.Tensor)
+    if row_scale:
+        _row_tensor(scale, "scale", torch.float32, n, dev)
+    elif not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    cuda = dev.type == "cuda"
+    block = block or (1024 if cuda else 128)
+    if block & (block - 1):
+        raise ValueError(f"block must be a power of two, got {block}")
+    check_triton_device(logits)
+    tokens = torch.empty(n, dtype=torch.int64, device=dev)
+    norm = torch.empty(n, 2, dtype=torch.float32, device=dev) if stats else None
+    if n == 0:
+        return tokens, norm
+    tiles = triton.cdiv(vocab, block)
+    if parts is None:  # ~8 programs per multiprocessor over all rows (the H200's best, 4..256 rows)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if cuda else 1
+        parts = triton.cdiv(8 * sms, n)
+    chunk = triton.cdiv(tiles, max(1, min(parts, tiles))) * block
+    parts = triton.cdiv(vocab, chunk)
+    part_y = torch.empty(n, parts, dtype=torch.float32, device=dev)
+    part_i = torch.empty(n, parts, dtype=torch.int32, device=dev)
+    part_m, part_s = (torch.empty_like(part_y), torch.empty_like(part_y)) if stats else (part_y, part_y)
+    c = 0 if row_counter else int(counter) - (1 << 32) * (counter >= 1 << 31)  # int32 bits
+    # (no fused multiply-adds: ``x * scale + G`` rounds twice, as the torch reference does)
+    _sample_partial_kernel[(n, parts)](
+        logits, streams if streams is not None else dummy, counter if row_counter else dummy,
+        scale if row_scale else dummy, part_y, part_i, part_m, part_s,
+        logits.stride(0), logits.stride(1), vocab, chunk, parts, c, 1.0 if row_scale else float(scale),
+        NOISE=streams is not None, ROW_COUNTER=row_counter, ROW_SCALE=row_scale, STATS=stats, BLOCK=block,
+        num_warps=8, enable_fp_fusion=False)
+    _sample_combine_kernel[(n,)](part_y, part_i, part_m, part_s, tokens, norm if stats else part_y, parts,
+                                 STATS=stats, BLOCK_P=triton.next_power_of_2(parts), num_warps=1)
+    return tokens, norm

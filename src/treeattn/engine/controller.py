@@ -304,9 +304,12 @@ class SamplingController(BranchController):
             return False
         self._sync_rows(engine, leaves)
         logits = engine.logits_for(leaves)
-        # (top-k / top-p sort the vocabulary: filter once for the draw and the log-probabilities)
-        filtered = self.sampler.filtered(logits) if self.logprobs else None
-        tokens = self.sampler.sample(logits, streams=self._stream, step=step, filtered=filtered)
+        # (the draw and the log-probabilities' normaliser from one pass over the logits; top-k /
+        # top-p, which sort the vocabulary, filter once for both)
+        if self.logprobs:
+            tokens, norm = self.sampler.draw(logits, streams=self._stream, step=step)
+        else:
+            tokens = self.sampler.sample(logits, streams=self._stream, step=step)
         running = self._finish < 0
         if self.eos:
             if self._stop is not None:
@@ -315,7 +318,7 @@ class SamplingController(BranchController):
             hit = running & (tokens[:, None] == self._eos[None, :]).any(-1)
             self._finish = torch.where(hit, step, self._finish)
         if self.logprobs:
-            lp = self.sampler.logprobs(logits, tokens, filtered=filtered)
+            lp = self.sampler.logprobs(logits, tokens, norm=norm)
             self._cum = self._cum + torch.where(running, lp, 0.0)
             for i, leaf in enumerate(leaves):
                 self._lp_refs[leaf].append((len(self._lp_steps), i))

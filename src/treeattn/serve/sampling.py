@@ -17,7 +17,9 @@ import numpy as np
 import torch
 
 from treeattn.engine.planning import upload
-from treeattn.engine.sampling import _GOLDEN32, _MASK32, _mix32, gumbel_noise
+from treeattn.engine.sampling import (_GOLDEN32, _MASK32, LogNormaliser, _mix32, gumbel_noise,
+                                      inverse_temperature)
+from treeattn.launchers import gumbel_argmax
 
 __all__ = ["RowOptions", "StepChoice", "choose_tokens"]
 
@@ -68,9 +70,9 @@ class StepChoice:
     top_ids: torch.Tensor | None = None
 
 
-def _gumbel(seeds: torch.Tensor, streams: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """float32 ``[n, vocab]``: :meth:`Sampler.gumbel` with a seed and a step per row."""
-    return gumbel_noise(streams, _mix32((steps * _GOLDEN32 + seeds) & _MASK32), vocab)
+def _counters(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """int64 ``[n]``: the noise counters of :meth:`Sampler.gumbel` with a seed and a step per row."""
+    return _mix32((steps * _GOLDEN32 + seeds) & _MASK32)
 
 
 def _penalised(logits: torch.Tensor, opt: RowOptions) -> torch.Tensor:
@@ -99,32 +101,57 @@ def _penalised(logits: torch.Tensor, opt: RowOptions) -> torch.Tensor:
     return x
 
 
+def _sampled(x: torch.Tensor, opt: RowOptions, greedy: np.ndarray) -> torch.Tensor:
+    """int64 ``[n]``: every row's seeded draw from ``x`` at its temperature (greedy rows: 1) and
+    top-p; on CUDA in one pass over ``x`` (two passes and a sort with top-p)."""
+    dev = x.device
+    inv = upload(inverse_temperature(np.where(greedy, 1.0, opt.temperature)), dev, torch.float32)
+    streams = upload(opt.streams, dev)
+    counters = _counters(upload(opt.seeds & _MASK32, dev), upload(opt.steps, dev))
+    if (opt.top_p < 1).any():
+        s = x * inv[:, None]
+        sx, order = torch.sort(s, dim=-1, descending=True)
+        p = torch.softmax(sx, dim=-1)
+        top_p = upload(opt.top_p, dev, torch.float32)[:, None]
+        drop = (p.cumsum(-1) - p) >= top_p          # the most likely token always stays
+        s, scale = s.scatter(-1, order, sx.masked_fill(drop, float("-inf"))), 1.0
+    else:
+        s, scale = x, inv
+    if x.is_cuda:
+        return gumbel_argmax(s, streams=streams, counter=counters, scale=scale)[0]
+    if scale is inv:
+        s = x * inv[:, None]
+    return (s + gumbel_noise(streams, counters, x.shape[-1])).argmax(dim=-1)
+
+
 def choose_tokens(logits: torch.Tensor, opt: RowOptions) -> StepChoice:
     """One token per row of ``logits`` (float32 ``[n, vocab]``), without waiting for the device.
 
     Log-probabilities are those of the penalised and biased logits at temperature 1 (the model's
     distribution as the request shaped it, before temperature and top-p), as vLLM reports them.
     """
-    dev = logits.device
     x = _penalised(logits, opt)
     greedy = opt.temperature == 0
-    tokens = x.argmax(dim=-1)
+    norm = None
+    if opt.want_logprobs and x.is_cuda:
+        # the greedy tokens and the log-probabilities' normaliser in one pass
+        tokens, norm = gumbel_argmax(x, stats=True)
+    else:
+        tokens = x.argmax(dim=-1) if greedy.any() else None
     if not greedy.all():
-        temp = upload(np.where(greedy, 1.0, opt.temperature), dev, torch.float32)[:, None]
-        s = x / temp
-        if (opt.top_p < 1).any():
-            sx, order = torch.sort(s, dim=-1, descending=True)
-            p = torch.softmax(sx, dim=-1)
-            top_p = upload(opt.top_p, dev, torch.float32)[:, None]
-            drop = (p.cumsum(-1) - p) >= top_p          # the most likely token always stays
-            s = s.scatter(-1, order, sx.masked_fill(drop, float("-inf")))
-        g = _gumbel(upload(opt.seeds & _MASK32, dev), upload(opt.streams, dev), upload(opt.steps, dev), x.shape[-1])
-        sampled = (s + g).argmax(dim=-1)
-        tokens = torch.where(upload(greedy, dev, torch.bool), tokens, sampled)
+        sampled = _sampled(x, opt, greedy)
+        tokens = torch.where(upload(greedy, x.device, torch.bool), tokens, sampled) if greedy.any() else sampled
     out = StepChoice(tokens)
     if opt.want_logprobs:
-        lp = torch.log_softmax(x, dim=-1)
-        out.logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1)
-        if opt.top_logprobs:
-            out.top_values, out.top_ids = torch.topk(lp, min(opt.top_logprobs, lp.shape[-1]), dim=-1)
+        k = min(opt.top_logprobs, x.shape[-1])
+        if norm is not None:
+            out.logprobs = LogNormaliser(x, 1.0, norm).logprobs(tokens)
+            if k:
+                top, out.top_ids = torch.topk(x, k, dim=-1)
+                out.top_values = (top - norm[:, :1]) - norm[:, 1:]
+        else:
+            lp = torch.log_softmax(x, dim=-1)
+            out.logprobs = lp.gather(-1, tokens[:, None]).squeeze(-1)
+            if k:
+                out.top_values, out.top_ids = torch.topk(lp, k, dim=-1)
     return out
