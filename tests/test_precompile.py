@@ -43,6 +43,19 @@ def test_precompile_covers_every_variant(recorded):
         (2 * 2 + 2 * 2 * 2) * configs + (2 + 2 * 2) * short + 2 * 2 * tall + 2 * (3 * 5 + 1)
 
 
+def test_precompile_covers_the_sampling_kernel(recorded, monkeypatch):
+    """With a vocabulary, the fused sampling kernel's 16 variants too (noise, per-row counter,
+    per-row scale, the normaliser), each launched once; a batch of any size then uses one of
+    them (the combine kernel's block is the vocabulary's, not the batch's)."""
+    monkeypatch.setattr(pc, "gumbel_argmax", lambda x, *, streams, counter, scale, stats: recorded.append(
+        ("sample", streams is None, isinstance(counter, int), isinstance(scale, float), stats, x.shape[1])))
+    heads = HeadConfig(8, 2, 16, torch.float32)
+    attention = precompile(heads, page_size=16, device="cpu")
+    recorded.clear()
+    assert precompile(heads, page_size=16, device="cpu", vocab=300) == attention + 16
+    assert len({r for r in recorded if r[0] == "sample"}) == 16 and all(r[-1] == 300 for r in recorded[:16])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_precompile_variants_run(device, page_size):
@@ -112,7 +125,7 @@ def test_tree_attention_precompiles_its_own_launch_mode(monkeypatch):
     assert TreeAttention(backend="triton").precompile(**kw, workers=3) == 7
     # merging last launches from the cost model's GQA group on (8 by default): not at 8/2
     assert TreeAttention(backend="triton").precompile(**{**kw, "num_qo_heads": 16}) == 7
-    common = dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False)
+    common = dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False, vocab=None)
     assert seen == [(HeadConfig(8, 2, 16, torch.bfloat16), dict(common, merge_last=False, workers=3)),
                     (HeadConfig(16, 2, 16, torch.bfloat16), dict(common, merge_last=True, workers=0))]
 

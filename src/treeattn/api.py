@@ -149,17 +149,19 @@ class TreeAttention:
                          head_dim=h.head_dim, dtype=h.dtype, strategy=plan.requested_strategy)
 
     def precompile(self, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                   dtype: torch.dtype = torch.float16, page_size: int, workers: int = 0) -> int:
+                   dtype: torch.dtype = torch.float16, page_size: int, workers: int = 0,
+                   vocab: int | None = None) -> int:
         """Compile every kernel variant this wrapper's plans for these heads can launch, now
         (Triton compiles a variant on its first launch, seconds each): with this wrapper's
         ``pdl``, TMA loads and merging last launches, in ``workers`` processes on a GPU
-        (:func:`treeattn.precompile.precompile`). Returns the launches made here; 0 with the
-        torch backend."""
+        (:func:`treeattn.precompile.precompile`); with ``vocab``, the fused sampling kernel's
+        too. Returns the launches made here; 0 with the torch backend."""
         if self.backend != "triton":
             return 0
         heads = HeadConfig(num_qo_heads, num_kv_heads, head_dim, dtype)
         return precompile(heads, page_size=page_size, device=self.device, pdl=self.pdl,
-                          tma=tma_loads(heads, self.cost), merge_last=self.cost.merges_last(heads), workers=workers)
+                          tma=tma_loads(heads, self.cost), merge_last=self.cost.merges_last(heads), workers=workers,
+                          vocab=vocab)
 
     def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the workspace that ``run`` gives ``plan``'s partial results:

@@ -433,6 +433,7 @@ def gumbel_argmax(logits: torch.Tensor, *, streams: torch.Tensor | None = None,
         logits.stride(0), logits.stride(1), vocab, chunk, parts, c, 1.0 if row_scale else float(scale),
         NOISE=streams is not None, ROW_COUNTER=row_counter, ROW_SCALE=row_scale, STATS=stats, BLOCK=block,
         num_warps=8, enable_fp_fusion=False)
+    # (one BLOCK_P per vocabulary, whatever the rows: a batch that shrinks compiles no new variant)
     _sample_combine_kernel[(n,)](part_y, part_i, part_m, part_s, tokens, norm if stats else part_y, parts,
-                                 STATS=stats, BLOCK_P=triton.next_power_of_2(parts), num_warps=1)
+                                 STATS=stats, BLOCK_P=triton.next_power_of_2(tiles), num_warps=1)
     return tokens, norm

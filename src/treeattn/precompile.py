@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from treeattn.launchers import attention_constexprs, merge_partials, partial_attention
+from treeattn.launchers import attention_constexprs, gumbel_argmax, merge_partials, partial_attention
 from treeattn.plan.lower.addressing import (
     BESIDE_MIN_GROUP,
     SPLIT_TAIL_ROWS,
@@ -75,7 +75,7 @@ def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
-               tma: bool = False, merge_last: bool = True, workers: int = 0) -> int:
+               tma: bool = False, merge_last: bool = True, workers: int = 0, vocab: int | None = None) -> int:
     """Launch every partial-attention variant a plan for ``heads`` can use (each of
     :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
     order x mask split x split tail; x persistent where :func:`persists`)
@@ -91,6 +91,8 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
     this process then loads them from there). Each holds a CUDA context while it runs.
     0 or 1: compile in this process.
+    ``vocab``: also every variant of the fused sampling kernel
+    (:func:`~treeattn.launchers.gumbel_argmax`) over float32 logits of this many entries.
 
     Returns the number of launches made in this process.
     """
@@ -98,13 +100,21 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     if workers > 1 and device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last)
-    return _launch_share(heads, page_size, device, pdl, tma, 0, 1, merge_last=merge_last)
+        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last, vocab)
+    return _launch_share(heads, page_size, device, pdl, tma, 0, 1, merge_last=merge_last, vocab=vocab)
 
 
 def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
-              merge_last: bool = True):
+              merge_last: bool = True, vocab: int | None = None):
     """Yield one callable per variant, which launches it (on dummy data, shared between them)."""
+    if vocab is not None:
+        # sampling: with or without noise, the counter and the temperature for the step or per
+        # row (the server's), with or without the log-softmax normaliser
+        x = torch.zeros(2, vocab, device=device)
+        rows, scales = torch.zeros(2, dtype=torch.int64, device=device), torch.ones(2, device=device)
+        for noise, row_counter, row_scale, stats in itertools.product((False, True), repeat=4):
+            yield lambda noise=noise, c=row_counter, r=row_scale, stats=stats: gumbel_argmax(
+                x, streams=rows if noise else None, counter=rows if c else 0, scale=scales if r else 1.0, stats=stats)
     from treeattn.plan import make_plan
     from treeattn.tree import DecodingTree
 
@@ -154,11 +164,11 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
 
 
 def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, index: int,
-                  count: int, *, merge_last: bool = True) -> int:
+                  count: int, *, merge_last: bool = True, vocab: int | None = None) -> int:
     """Launch variants ``index``, ``index + count``, ... of :func:`_variants`; returns how many."""
     launches = 0
-    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma, merge_last=merge_last),
-                                   index, None, count):
+    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma, merge_last=merge_last,
+                                             vocab=vocab), index, None, count):
         launch()
         launches += 1
     return launches
@@ -166,7 +176,7 @@ def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: 
 
 @functools.cache
 def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
-                        workers: int, merge_last: bool = True) -> None:
+                        workers: int, merge_last: bool = True, vocab: int | None = None) -> None:
     """Run ``workers`` processes of :func:`main`, each its share of the
     variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
     process for each set of arguments (cached): a later call finds the variants in this process's
@@ -176,7 +186,7 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
               f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma \
-        + ["--no-merge-last"] * (not merge_last)
+        + ["--no-merge-last"] * (not merge_last) + [f"--vocab={vocab}"] * (vocab is not None)
     # (a new interpreter, not a fork: CUDA cannot be used in a forked child; and not
     # multiprocessing's spawn, which would re-run a caller's script without a main guard; nor
     # ``-m treeattn.precompile``, which the package's import would load a second time)
@@ -203,6 +213,7 @@ def main(argv=None) -> None:
     ap.add_argument("--pdl", action="store_true")
     ap.add_argument("--tma", action="store_true")
     ap.add_argument("--no-merge-last", action="store_true")
+    ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--count", type=int, required=True)
     args = ap.parse_args(argv)
@@ -210,6 +221,6 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     torch.cuda.set_device(device)  # (Triton compiles for the current device)
     _launch_share(HeadConfig(hq, hkv, d, getattr(torch, args.dtype)), args.page_size, device, args.pdl, args.tma,
-                  args.index, args.count, merge_last=not args.no_merge_last)
+                  args.index, args.count, merge_last=not args.no_merge_last, vocab=args.vocab)
     torch.cuda.synchronize()
 

@@ -458,7 +458,7 @@ class TreeEngine(SpeculativeSteps):
         h, t0 = self.planner.heads, time.perf_counter()
         self.compiled_launches = self.attention.precompile(
             num_qo_heads=h.num_qo_heads, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, dtype=h.dtype,
-            page_size=self.pool.page_size, workers=self.compile_workers)
+            page_size=self.pool.page_size, workers=self.compile_workers, vocab=self.model.config.vocab_size)
         self.compile_s = time.perf_counter() - t0
         return self.compiled_launches
 
