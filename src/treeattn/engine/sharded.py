@@ -177,6 +177,15 @@ class ShardedTreeEngine(TreeEngine):
         kv = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
         return np.asarray(parents, dtype=np.int64), lengths, kv, qn
 
+    def _warm_model(self) -> None:
+        """One tiny prefill and decode step on every rank, then a reset (the single-GPU engine's
+        warm-up runs controllers whose steps this engine was not checked with at creation)."""
+        root = self.tree.add_root()
+        self.prefill(root, [0] * 32)
+        self.decode(self.tree.branch(root, 2), torch.zeros(2, dtype=torch.int64, device=self.device))
+        self.reset()
+        self.stats.clear()
+
     def plan_ahead(self, nodes, horizon: int, *, after: int) -> bool:
         """Nothing (False): a sharded engine plans every step in :meth:`decode`."""
         return False
