@@ -11,19 +11,18 @@ ratio, and per head config and strategy the mean and spread of log(estimate / me
 
 The cost model is the one the wrapper builds on an H200 (TMA, PDL, one stream); ``--set
 name=value`` changes a constant (e.g. ``--set direct_saving_pdl_s=6e-6``: a direct plan credited
-6 us, as before PDL launches were rated).
+6 us, as before PDL launches were rated; a tile as ``--set tile_tall_contig=[32,4,2]``).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 
 import numpy as np
 
 from treeattn.plan import CostModel, HeadConfig, make_plan
-from treeattn.plan.select.profiles import H200
+from treeattn.plan.select.profiles import H200, DeviceProfile
 from treeattn.tree import tree_from_spec
 
 HIT = 1.05
@@ -49,11 +48,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="bench kernels JSON files timing every strategy")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="a DeviceProfile constant to change (repeatable)")
+                    help="a DeviceProfile constant to change, the value as JSON (repeatable)")
     args = ap.parse_args()
     rows = [r for path in args.results for r in json.load(open(path))["rows"]]
-    changes = {k: float(v) for k, v in (s.split("=", 1) for s in args.set)}
-    profile = dataclasses.replace(H200, **changes)
+    changes = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
+    # (through from_json: tiles given as lists become tuples, and bad values are named)
+    profile = DeviceProfile.from_json(json.dumps({**json.loads(H200.to_json()), **changes}), source="--set")
     cost = CostModel(tma=True, pdl=True, side_streams=True, profile=profile)
     choices, errors = evaluate(rows, cost)
     for tree, hq, hkv, strategy, ratio in choices:

@@ -13,12 +13,6 @@ from helpers import TOL, random_tree, rel_l2
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.plan import make_plan
 from treeattn.plan.lower.addressing import (
-    DEEP_PIPELINE_MIN_TOKENS,
-    GATHERED_NARROW_WARPS,
-    SPLIT_TAIL_ROWS,
-    SPLIT_TAIL_TILES,
-    TILE_TALL_CONTIG,
-    TILE_TALL_GATHERED,
     contig_configs,
     contig_launches,
     gathered_configs,
@@ -26,11 +20,18 @@ from treeattn.plan.lower.addressing import (
     unit_runs,
 )
 from treeattn.plan.format import Launch
+from treeattn.plan.select.profiles import H200
 from treeattn.reference import reference_attention
 from treeattn.tree import tree_from_spec
 
 HEADS = HeadConfig(8, 2, 32, torch.float32)
 SHORT = np.full(16, 64)  # work units of 64 tokens
+TILE_TALL_CONTIG, TILE_TALL_GATHERED = H200.tile_tall_contig, H200.tile_tall_gathered
+
+
+def sms(num_sms: int):
+    """The H200 profile with ``num_sms`` SMs (the lowering rules count waves of programs)."""
+    return dataclasses.replace(H200, num_sms=num_sms)
 
 
 def runs_brute(slots, start, end):
@@ -52,15 +53,15 @@ def test_contig_launch_rule():
     is_run = np.array([True] * 6 + [False] * 2)
     launches = (Launch(16, 64, 0, 2, 4, 3), Launch(64, 64, 2, 4, 4, 3), Launch(16, 32, 4, 6, 4, 2),
                 Launch(16, 64, 6, 8, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # 16 programs a launch
+    out = contig_launches(launches, is_run, num_kv_heads=8, profile=sms(4), has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # 16 programs a launch
     assert [ln.contig for ln in out] == [True, False, True, False]
     assert [ln.num_stages for ln in out] == [2, 3, 2, 3]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=16, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # one wave each
+    out = contig_launches(launches, is_run, num_kv_heads=8, profile=sms(16), has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # one wave each
     assert [ln.contig for ln in out] == [True, True, True, False]
     assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
-    # units of DEEP_PIPELINE_MIN_TOKENS on average keep their stages beyond three waves
-    long_first = np.array([DEEP_PIPELINE_MIN_TOKENS + 1, DEEP_PIPELINE_MIN_TOKENS - 1] + [64] * 6)
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=long_first)
+    # units of deep_pipeline_min_tokens on average keep their stages beyond three waves
+    long_first = np.array([H200.deep_pipeline_min_tokens + 1, H200.deep_pipeline_min_tokens - 1] + [64] * 6)
+    out = contig_launches(launches, is_run, num_kv_heads=8, profile=sms(4), has_mask=True, elem_bytes=2, unit_tokens=long_first)
     assert [ln.num_stages for ln in out] == [3, 3, 2, 3]
 
 
@@ -72,20 +73,20 @@ def test_tall_contig_launches_take_the_tall_tile():
     tall = Launch(128, 64, 0, 2, 4, 3, masked=False)
     launches = (tall, Launch(128, 64, 2, 4, 4, 3, masked=True), Launch(128, 32, 4, 6, 4, 2, masked=False),
                 Launch(64, 64, 6, 8, 4, 3, masked=False), Launch(128, 64, 8, 10, 4, 3, masked=False, heads_inner=True))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # 16 programs: four waves
+    out = contig_launches(launches, is_run, num_kv_heads=8, profile=sms(4), has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # 16 programs: four waves
     assert out[0] == dataclasses.replace(tall, contig=True, block_n=TILE_TALL_CONTIG[0],
                                          num_warps=TILE_TALL_CONTIG[1], num_stages=TILE_TALL_CONTIG[2])
     gathered = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_GATHERED))
     assert out[1] == dataclasses.replace(launches[1], **gathered)  # masked: gathered beyond one wave
-    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, num_sms=4, has_mask=False, elem_bytes=2, unit_tokens=SHORT)[0].block_n == 32
+    assert contig_launches(launches[1:2], is_run, num_kv_heads=8, profile=sms(4), has_mask=False, elem_bytes=2, unit_tokens=SHORT)[0].block_n == 32
     assert out[2] == dataclasses.replace(launches[2], contig=True)
     assert out[3] == launches[3]
     assert out[4].heads_inner and out[4].block_n == TILE_TALL_CONTIG[0]
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # eight waves: too many
+    out = contig_launches(launches, is_run, num_kv_heads=8, profile=sms(2), has_mask=True, elem_bytes=2, unit_tokens=SHORT)  # eight waves: too many
     assert out[0] == dataclasses.replace(tall, **gathered)
-    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=2, has_mask=True, elem_bytes=4, unit_tokens=SHORT)[0] == tall
+    assert contig_launches(launches, is_run, num_kv_heads=8, profile=sms(2), has_mask=True, elem_bytes=4, unit_tokens=SHORT)[0] == tall
     for shape in [(128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 2)]:
-        assert (TILE_TALL_CONTIG in contig_configs(*shape)) == (shape[:2] == (128, 64))
+        assert (TILE_TALL_CONTIG in contig_configs(*shape, profile=H200)) == (shape[:2] == (128, 64))
 
 
 def test_gathered_32_row_launches_of_many_waves_take_two_warps():
@@ -93,33 +94,33 @@ def test_gathered_32_row_launches_of_many_waves_take_two_warps():
     is_run = np.array([False] * 8 + [True] * 2)
     launches = (Launch(32, 64, 0, 2, 4, 3), Launch(32, 32, 2, 4, 4, 2), Launch(64, 64, 4, 6, 4, 3),
                 Launch(16, 64, 6, 8, 4, 3), Launch(32, 64, 8, 10, 4, 3))
-    out = contig_launches(launches, is_run, num_kv_heads=12, num_sms=4, has_mask=False, elem_bytes=2, unit_tokens=SHORT)  # 24 programs: 6 waves
-    assert out[0] == dataclasses.replace(launches[0], num_warps=GATHERED_NARROW_WARPS)
+    out = contig_launches(launches, is_run, num_kv_heads=12, profile=sms(4), has_mask=False, elem_bytes=2, unit_tokens=SHORT)  # 24 programs: 6 waves
+    assert out[0] == dataclasses.replace(launches[0], num_warps=H200.gathered_narrow_warps)
     assert out[1:4] == launches[1:4]
     assert out[4].contig and out[4].num_warps == 4  # a run: computed addresses, four warps
-    out = contig_launches(launches, is_run, num_kv_heads=11, num_sms=4, has_mask=False, elem_bytes=2, unit_tokens=SHORT)  # 22 programs
+    out = contig_launches(launches, is_run, num_kv_heads=11, profile=sms(4), has_mask=False, elem_bytes=2, unit_tokens=SHORT)  # 22 programs
     assert out[0] == launches[0]
     for shape in [(32, 64, 4, 3), (32, 32, 4, 2), (16, 64, 4, 3), (64, 64, 4, 3)]:
-        assert ((64, GATHERED_NARROW_WARPS, 3) in gathered_configs(*shape, elem_bytes=2)) == (shape[:2] == (32, 64))
-        assert gathered_configs(*shape, elem_bytes=2)[0] == shape[1:]
+        assert ((64, H200.gathered_narrow_warps, 3) in gathered_configs(*shape, elem_bytes=2, profile=H200)) == (shape[:2] == (32, 64))
+        assert gathered_configs(*shape, elem_bytes=2, profile=H200)[0] == shape[1:]
 
 
 def test_split_tail_on_tall_unmasked_launches_of_whole_tiles_or_long_units():
-    """Tall (>= SPLIT_TAIL_ROWS rows) unmasked launches whose units hold whole KV tiles only, or
-    average >= SPLIT_TAIL_TILES tiles; not short units with a partial tile, small tiles or masked
+    """Tall (>= ``split_tail_rows`` rows) unmasked launches whose units hold whole KV tiles only, or
+    average >= ``split_tail_tiles`` tiles; not short units with a partial tile, small tiles or masked
     launches."""
     starts = np.array([0, 64, 128, 200, 300, 400, 500, 600, 700, 2800])
     ends = np.array([64, 128, 192, 300, 364, 464, 564, 700, 2800, 4900])
     launches = tuple(Launch(m, n, a, b, 4, 3, masked=masked) for m, n, a, b, masked in [
         (128, 32, 0, 2, False), (64, 64, 2, 4, False), (128, 64, 4, 5, True), (32, 64, 5, 7, False),
         (128, 64, 7, 8, False), (64, 64, 8, 10, False)])
-    out = split_tails(launches, starts, ends, has_mask=True)
+    out = split_tails(launches, starts, ends, has_mask=True, profile=H200)
     # whole tiles; a 100-token unit; masked; small tiles; a partial 100-token unit; 2100-token units
-    assert SPLIT_TAIL_ROWS == 64 and SPLIT_TAIL_TILES * 64 <= 2100
+    assert H200.split_tail_rows == 64 and H200.split_tail_tiles * 64 <= 2100
     assert [ln.split_tail for ln in out] == [True, False, False, False, False, True]
     assert all(type(ln.split_tail) is bool for ln in out)  # a constexpr: Triton 3.6 rejects numpy bools
     assert out[3] is launches[3]
-    assert split_tails(launches, starts, ends, has_mask=False)[2].split_tail  # unmasked plan: 64 whole tokens
+    assert split_tails(launches, starts, ends, has_mask=False, profile=H200)[2].split_tail  # unmasked plan: 64 whole tokens
 
 
 def test_tall_contig_kernel_matches_reference(device):
@@ -144,16 +145,16 @@ def test_gathered_tall_launches_take_the_tall_gathered_tile():
     is_run = np.array([False] * 8 + [True] * 2)
     launches = (Launch(128, 64, 0, 2, 4, 3), Launch(128, 64, 2, 4, 4, 3, masked=True, mask_split=True),
                 Launch(64, 64, 4, 6, 4, 3), Launch(128, 32, 6, 8, 4, 2), Launch(128, 64, 8, 10, 4, 3, masked=False))
-    out = contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=2, unit_tokens=SHORT)
+    out = contig_launches(launches, is_run, num_kv_heads=8, profile=sms(4), has_mask=True, elem_bytes=2, unit_tokens=SHORT)
     block_n, num_warps, num_stages = TILE_TALL_GATHERED
     for i in (0, 1):
         assert out[i] == dataclasses.replace(launches[i], block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     assert out[2:4] == launches[2:4]
     assert out[4].contig and out[4].block_n == TILE_TALL_CONTIG[0]
-    assert contig_launches(launches, is_run, num_kv_heads=8, num_sms=4, has_mask=True, elem_bytes=4, unit_tokens=SHORT)[:4] == launches[:4]
-    assert gathered_configs(128, 64, 4, 3, elem_bytes=2) == [TILE_TALL_GATHERED]
-    assert gathered_configs(128, 64, 4, 3, elem_bytes=4) == [(64, 4, 3)]
-    assert gathered_configs(64, 64, 4, 3, elem_bytes=2) == [(64, 4, 3)]
+    assert contig_launches(launches, is_run, num_kv_heads=8, profile=sms(4), has_mask=True, elem_bytes=4, unit_tokens=SHORT)[:4] == launches[:4]
+    assert gathered_configs(128, 64, 4, 3, elem_bytes=2, profile=H200) == [TILE_TALL_GATHERED]
+    assert gathered_configs(128, 64, 4, 3, elem_bytes=4, profile=H200) == [(64, 4, 3)]
+    assert gathered_configs(64, 64, 4, 3, elem_bytes=2, profile=H200) == [(64, 4, 3)]
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ tree mask, the heads-inner grid and the last launch's merge; and the rule that p
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -14,15 +13,7 @@ from helpers import TOL, random_tree, rel_l2
 
 from treeattn import HeadConfig, TreeAttention
 from treeattn.plan import make_plan
-from treeattn.plan.lower.addressing import (
-    BESIDE_MIN_GROUP,
-    PERSIST_MIN_GROUP,
-    PERSIST_MIN_LEAF_RATIO,
-    PERSIST_PARTITION_RATIO,
-    TILE_BESIDE,
-    TILE_TALL_GATHERED,
-    persistent_tall,
-)
+from treeattn.plan.lower.addressing import persistent_tall
 from treeattn.plan.select.cost import CostModel
 from treeattn.plan.select.profiles import H200
 from treeattn.plan.format import Launch
@@ -73,27 +64,34 @@ def test_persistent_last_launch_merges(rng, device):
     assert rel_l2(out, ref) <= TOL[torch.float32]
 
 
-RULE = dict(share_gathered=0.5, share_tma=0.25, min_leaf_entries=0)
+TILE_BESIDE, TILE_TALL_GATHERED = H200.tile_beside, H200.tile_tall_gathered
+# leaf units 0-3 (1600 entries), tall 4-5 (200)
+START, END = np.zeros(6, dtype=np.int64), np.array([400, 400, 400, 400, 100, 100])
+
+
+def rule(launches, *, group: int, num_sms: int = 8, elem_bytes: int = 2, work_kv_end=END, min_leaf_entries=0):
+    """:func:`persistent_tall` over 8 KV heads under the H200 profile with ``num_sms`` SMs, shares
+    of 0.5 (gathered) and 0.25 (TMA) and ``min_leaf_entries``."""
+    profile = dataclasses.replace(H200, num_sms=num_sms, persist_share_gathered=0.5, persist_share_tma=0.25,
+                                  persist_min_leaf_entries=min_leaf_entries)
+    return persistent_tall(launches, START, work_kv_end, 8, group=group, elem_bytes=elem_bytes, profile=profile)
 
 
 def test_persistent_tall_rule():
     """The largest launch of tall tiles, gathered or through TMA, beside leaf launches that read at
-    least PERSIST_MIN_LEAF_RATIO times its KV (for 128-row tiles) and ``min_leaf_entries`` KV
-    entries x KV heads, at a GQA group of PERSIST_MIN_GROUP or more, runs persistent over
+    least ``persist_min_leaf_ratio`` times its KV (for 128-row tiles) and ``min_leaf_entries`` KV
+    entries x KV heads, at a GQA group of ``persist_min_group`` or more, runs persistent over
     ``ceil(W / R)`` programs, ``R = ceil(W / (share x SMs))`` rounds of its ``W`` (a gathered
-    one beside leaves of under PERSIST_PARTITION_RATIO times its KV: one program a SM from
-    PERSIST_MIN_WAVES waves); nothing else does."""
-    start = np.zeros(6, dtype=np.int64)
-    end = np.array([400, 400, 400, 400, 100, 100])  # leaf units 0-3 (1600 entries), tall 4-5 (200)
+    one beside leaves of under ``persist_partition_ratio`` times its KV: one program a SM from
+    ``persist_min_waves`` waves); nothing else does."""
+    end = END
     leaf, tall = Launch(16, 64, 0, 4), Launch(128, 32, 4, 6, 4, 7)
-    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, elem_bytes=2,
-                             **RULE)
     # 16 programs over a share of 0.5 x 8 SMs: 4 rounds of 4 programs; of 0.5 x 10: 4 rounds of 4
     assert rule((leaf, tall), num_sms=8, group=8) == (leaf, dataclasses.replace(tall, programs=4))
     assert rule((leaf, tall), num_sms=10, group=8)[1].programs == 4
     assert rule((leaf, tall), num_sms=12, group=8)[1].programs == 6  # 3 rounds of 6 (the last of 4)
     assert rule((leaf, tall), num_sms=32, group=8) == (leaf, tall)  # one round: nothing to share
-    assert rule((leaf, tall), num_sms=8, group=PERSIST_MIN_GROUP - 1) == (leaf, tall)
+    assert rule((leaf, tall), num_sms=8, group=H200.persist_min_group - 1) == (leaf, tall)
     assert rule((leaf, tall), num_sms=8, group=8, min_leaf_entries=1600 * 8 + 1) == (leaf, tall)
     # a TMA launch keeps its tile and takes its own share; a contig one that computes its
     # addresses without TMA is not made persistent
@@ -105,16 +103,16 @@ def test_persistent_tall_rule():
     two = (leaf, Launch(64, 64, 4, 5), Launch(128, 32, 5, 6, 4, 7))
     out = rule(two, work_kv_end=np.array([400, 400, 400, 400, 40, 100]), num_sms=2, group=8)
     assert out[:2] == two[:2] and out[2].programs == 1
-    # the leaves must read PERSIST_MIN_LEAF_RATIO times the tall launch's entries (64-row tiles count half)
+    # the leaves must read persist_min_leaf_ratio times the tall launch's entries (64-row tiles count half)
     short = end.copy()
-    short[:4] = PERSIST_MIN_LEAF_RATIO * 200 / 4 - 1
+    short[:4] = H200.persist_min_leaf_ratio * 200 / 4 - 1
     assert rule((leaf, tall), work_kv_end=short, num_sms=8, group=8) == (leaf, tall)
     half = dataclasses.replace(tall, block_m=64)
     assert rule((leaf, half), work_kv_end=short, num_sms=8, group=8)[1].programs == 4
-    # under PERSIST_PARTITION_RATIO times its entries, a gathered launch runs over one program a SM
-    # where it has PERSIST_MIN_WAVES waves of programs (16 here), a TMA one over its share
+    # under persist_partition_ratio times its entries, a gathered launch runs over one program a SM
+    # where it has persist_min_waves waves of programs (16 here), a TMA one over its share
     fewer = end.copy()
-    fewer[:4] = PERSIST_PARTITION_RATIO * 200 / 4 - 1
+    fewer[:4] = H200.persist_partition_ratio * 200 / 4 - 1
     assert rule((leaf, tall), work_kv_end=fewer, num_sms=10, group=8)[1].programs == 10
     assert rule((leaf, tall), work_kv_end=fewer, num_sms=11, group=8) == (leaf, tall)
     assert rule((leaf, tma), work_kv_end=fewer, num_sms=8, group=8)[1].programs == 2
@@ -144,29 +142,25 @@ def tile(ln) -> tuple:
 
 
 def test_persistent_tile_and_the_launches_beside_it():
-    """The persistent launch takes TILE_TALL_GATHERED wherever a 128-row one would (16-bit caches,
-    64-token tiles planned), any query tile; beside it, at GQA groups of BESIDE_MIN_GROUP or more,
-    the shorter tiles' launches that compute their addresses over 64-token tiles take TILE_BESIDE;
-    beside a TMA one (which fills its SM) they keep their tile."""
-    start = np.zeros(6, dtype=np.int64)
-    end = np.array([400, 400, 400, 400, 100, 100])
-    rule = functools.partial(persistent_tall, work_kv_start=start, work_kv_end=end, num_kv_heads=8, num_sms=8,
-                             **RULE)
+    """The persistent launch takes ``tile_tall_gathered`` wherever a 128-row one would (16-bit
+    caches, 64-token tiles planned), any query tile; beside it, at GQA groups of
+    ``beside_min_group`` or more, the shorter tiles' launches that compute their addresses over
+    64-token tiles take ``tile_beside``; beside a TMA one (which fills its SM) they keep their tile."""
     tall = Launch(64, 64, 4, 6, 4, 3)
     leaf = Launch(16, 64, 0, 2, 4, 2, contig=True)
     gathered, short = Launch(16, 64, 2, 3, 4, 2), Launch(32, 32, 3, 4, 4, 2, contig=True)
-    out = rule((leaf, gathered, short, tall), group=BESIDE_MIN_GROUP, elem_bytes=2)
+    out = rule((leaf, gathered, short, tall), group=H200.beside_min_group, elem_bytes=2)
     assert out[3].programs == 4 and tile(out[3]) == TILE_TALL_GATHERED
     assert tile(out[0]) == TILE_BESIDE and out[1:3] == (gathered, short)
-    out = rule((leaf, tall), group=BESIDE_MIN_GROUP - 1, elem_bytes=2)
+    out = rule((leaf, tall), group=H200.beside_min_group - 1, elem_bytes=2)
     assert out[1].programs == 4 and out[0] == leaf
-    out = rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=4)  # fp32: seven stages would not fit
+    out = rule((leaf, tall), group=H200.beside_min_group, elem_bytes=4)  # fp32: seven stages would not fit
     assert out[1] == dataclasses.replace(tall, programs=4) and tile(out[0]) == TILE_BESIDE
     tma = Launch(128, 128, 4, 6, 8, 3, contig=True, tma=True)
-    out = rule((leaf, tma), group=BESIDE_MIN_GROUP, elem_bytes=2)
+    out = rule((leaf, tma), group=H200.beside_min_group, elem_bytes=2)
     assert out == (leaf, dataclasses.replace(tma, programs=2))
     # no persistent launch, no change beside
-    assert rule((leaf, tall), group=BESIDE_MIN_GROUP, elem_bytes=2, num_sms=64) == (leaf, tall)  # 16 programs
+    assert rule((leaf, tall), group=H200.beside_min_group, elem_bytes=2, num_sms=64) == (leaf, tall)  # 16 programs
 
 
 def gapped_tree() -> DecodingTree:

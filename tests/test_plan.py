@@ -340,8 +340,8 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
     top = int(tree.kv_indices.max()) + 2 if tree.num_tokens else 0
     grown = tree.append(counts, top + 2 * np.arange(counts.sum()))
     for tma in (False, True):  # (a device with TMA, Hopper, runs the launches with PDL)
-        known = set(launch_configs(heads, tma=tma, pdl=tma))
         cost = CostModel(tma=tma, pdl=tma)
+        known = set(launch_configs(heads, profile=cost.profile, tma=tma, pdl=tma))
         for strategy in strategies:
             plan = make_plan(tree, heads, strategy=strategy, cost=cost)
             updated = update_plan(plan, grown)
@@ -349,7 +349,7 @@ def assert_precompiled(tree: DecodingTree, heads: HeadConfig, strategies) -> Non
                 for ln in p.launches:
                     cfg = (ln.block_m, ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.tma)
                     assert cfg in known, (strategy, heads, ln)
-                    assert not ln.programs or persists(heads, cfg, pdl=tma), (strategy, heads, ln)
+                    assert not ln.programs or persists(heads, cfg, profile=cost.profile, pdl=tma), (strategy, heads, ln)
                 last = p.launches[0] if p.tall_first else p.launches[-1]
                 assert not p.merge_last or launch_merges(last.block_m, last.tma), (strategy, heads, last)
                 n = p.merge_q_indices.numel()

@@ -8,6 +8,7 @@ import torch
 from treeattn import precompile as pc
 from treeattn.plan.lower.addressing import contig_configs, gathered_configs
 from treeattn.plan.format import HeadConfig, launch_shapes
+from treeattn.plan.select.profiles import H200
 from treeattn.precompile import precompile
 
 
@@ -35,7 +36,8 @@ def test_precompile_covers_every_variant(recorded):
     # plan only), and tall ones unmasked also with the split tail; merge head blocks 1, 2, 4 (few
     # queries) with each of their 5 row tiles and 8 (the row loop), with and without LSE
     def count(rows):
-        return sum(len(gathered_configs(*s, elem_bytes=4)) + len(contig_configs(*s)) for s in shapes if s[0] in rows)
+        return sum(len(gathered_configs(*s, elem_bytes=4, profile=H200)) + len(contig_configs(*s, profile=H200))
+                   for s in shapes if s[0] in rows)
 
     configs, tall, short = count((16, 32, 64, 128)), count((64, 128)), count((16, 32))
     assert configs == 2 * 4 + (1 + 2) * 4 + 1 + 1
@@ -63,24 +65,25 @@ def test_precompile_variants_run(device, page_size):
     them, compiled in worker processes first; under the interpreter every 8th, pages of one token
     and of 16 taking alternate halves of them (each variant's real launch takes ~0.5 s)."""
     heads = HeadConfig(8, 2, 16, torch.float32)
-    total = sum(1 for _ in pc._variants(heads, page_size, device, False, False))
+    total = sum(1 for _ in pc._variants(heads, page_size, device, False, False, profile=H200))
     if device.type == "cuda":
         assert precompile(heads, page_size=page_size, device=device, workers=min(8, os.cpu_count() or 1)) == total
         torch.cuda.synchronize()
     else:
         first = 0 if page_size == 1 else 8
-        assert pc._launch_share(heads, page_size, device, False, False, first, 16) == len(range(first, total, 16)) > 0
+        assert pc._launch_share(heads, page_size, device, False, False, first, 16, profile=H200) == \
+            len(range(first, total, 16)) > 0
 
 
 @pytest.mark.parametrize("count", [2, 3, 7])
 def test_worker_shares_partition_the_variants(recorded, count):
     """The workers' shares (every ``count``-th variant) launch each variant exactly once between them."""
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1)
+    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, profile=H200)
     full = list(recorded)
     assert everything == len(full) == len(set(full))
     recorded.clear()
-    shares = [pc._launch_share(heads, 16, torch.device("cpu"), True, True, i, count) for i in range(count)]
+    shares = [pc._launch_share(heads, 16, torch.device("cpu"), True, True, i, count, profile=H200) for i in range(count)]
     assert sum(shares) == everything and max(shares) - min(shares) <= 1
     assert sorted(map(repr, recorded)) == sorted(map(repr, full))
 
@@ -98,7 +101,8 @@ def test_failed_worker_raises_naming_it():
     if torch.cuda.is_available():
         pytest.skip("the workers would compile")
     with pytest.raises(RuntimeError, match=r"precompile worker \d of 2 failed"):
-        pc._compile_in_workers(HeadConfig(8, 2, 16, torch.float16), 16, torch.device("cuda", 0), False, False, 2)
+        pc._compile_in_workers(HeadConfig(8, 2, 16, torch.float16), 16, torch.device("cuda", 0), False, False, 2,
+                               True, None, H200)
 
 
 def test_workers_get_the_current_cuda_device(monkeypatch):
@@ -108,14 +112,14 @@ def test_workers_get_the_current_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(pc, "_compile_in_workers", lambda heads, page, device, *a: seen.append(device))
     monkeypatch.setattr(pc, "_launch_share", lambda *a, **kw: 0)
-    precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2)
-    precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2)
+    precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2, profile=H200)
+    precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2, profile=H200)
     assert seen == [torch.device("cuda", 3), torch.device("cuda", 1)]
 
 
 def test_tree_attention_precompiles_its_own_launch_mode(monkeypatch):
-    """``TreeAttention.precompile`` compiles the variants its plans take: its PDL and TMA choice,
-    and nothing with the torch backend."""
+    """``TreeAttention.precompile`` compiles the variants its plans take: its PDL and TMA choice
+    and its cost model's profile, and nothing with the torch backend."""
     import treeattn.api
     from treeattn import TreeAttention
 
@@ -126,7 +130,7 @@ def test_tree_attention_precompiles_its_own_launch_mode(monkeypatch):
     assert TreeAttention(backend="triton").precompile(**kw, workers=3) == 7
     # merging last launches from the cost model's GQA group on (8 by default): not at 8/2
     assert TreeAttention(backend="triton").precompile(**{**kw, "num_qo_heads": 16}) == 7
-    common = dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False, vocab=None)
+    common = dict(page_size=16, device=torch.device("cpu"), pdl=False, tma=False, vocab=None, profile=H200)
     assert seen == [(HeadConfig(8, 2, 16, torch.bfloat16), dict(common, merge_last=False, workers=3)),
                     (HeadConfig(16, 2, 16, torch.bfloat16), dict(common, merge_last=True, workers=0))]
 
@@ -135,10 +139,10 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
     """``merge_last=False`` (plans whose GQA group never folds) leaves out exactly the variants
     whose launch merges, and the workers are told so."""
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1)
+    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, profile=H200)
     merging = sum(1 for c in recorded if c[0] == "attention" and c[4])
     recorded.clear()
-    assert pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, merge_last=False) \
+    assert pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, profile=H200, merge_last=False) \
         == everything - merging and merging > 0
     assert not any(c[0] == "attention" and c[4] for c in recorded)
     argv = []
@@ -153,8 +157,9 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
             return "", ""
 
     monkeypatch.setattr(pc.subprocess, "Popen", Proc)
-    pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, 2, False)  # (uncached)
-    assert len(argv) == 2 and all("--no-merge-last" in a for a in argv)
+    pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, 2, False, None,
+                                       H200)  # (uncached)
+    assert len(argv) == 2 and all("--no-merge-last" in a and f"--profile={H200.to_json()}" in a for a in argv)
 
 
 def test_persistent_configs_include_the_tma_tall_tile():
@@ -162,12 +167,10 @@ def test_persistent_configs_include_the_tma_tall_tile():
     (:func:`~treeattn.plan.lower.addressing.persistent_tall` runs it over part of the SMs), the gathered
     tall launches at their persistent tile, and no contig launch that computes its addresses
     without TMA; without PDL, none."""
-    from treeattn.plan.lower.addressing import TILE_TALL_GATHERED, TILE_TALL_TMA
-
     heads = HeadConfig(32, 8, 128, torch.float16)
-    configs = pc.launch_configs(heads, tma=True, pdl=True)
-    persistent = {c for c in configs if pc.persists(heads, c, pdl=True)}
-    assert (128, *TILE_TALL_TMA, True, True) in persistent
-    assert (128, *TILE_TALL_GATHERED, False, False) in persistent
+    configs = pc.launch_configs(heads, profile=H200, tma=True, pdl=True)
+    persistent = {c for c in configs if pc.persists(heads, c, profile=H200, pdl=True)}
+    assert (128, *H200.tile_tall_tma, True, True) in persistent
+    assert (128, *H200.tile_tall_gathered, False, False) in persistent
     assert not any(contig and not tma for *_, contig, tma in persistent)
-    assert not any(pc.persists(heads, c, pdl=False) for c in configs)
+    assert not any(pc.persists(heads, c, profile=H200, pdl=False) for c in configs)

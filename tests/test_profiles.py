@@ -30,9 +30,11 @@ HEADS = HeadConfig(32, 8, 128, torch.float16)
 
 
 def test_json_round_trip(tmp_path):
-    odd = dataclasses.replace(H100, sm_flops=1.23e12, merge_last_min_group=4, name="Some GPU/x")
+    odd = dataclasses.replace(H100, sm_flops=1.23e12, merge_last_min_group=4, name="Some GPU/x",
+                              tile_tall_tma=(64, 4, 2), tma_min_tokens=((2.0, 512),), persist_min_group=2)
     path = save_profile(odd, tmp_path / "a" / "p.json", provenance={"torch": torch.__version__})
-    assert load_profile(path) == odd
+    assert load_profile(path) == odd  # (tiles come back as tuples: profiles stay hashable)
+    assert hash(load_profile(path)) == hash(odd)
     assert json.loads(path.read_text())["provenance"] == {"torch": torch.__version__}
     # constants left out keep the H200's; ints given for floats are taken
     assert DeviceProfile.from_json('{"num_sms": 8, "bandwidth": 1000}') == dataclasses.replace(
@@ -44,7 +46,11 @@ def test_json_round_trip(tmp_path):
                                           ('{"num_sms": 1.5}', "num_sms must be a int"),
                                           ('{"num_sms": 0}', "num_sms must be >= 1"),
                                           ('{"mask_cost": -1}', "mask_cost must be >= 0"),
-                                          ('{"name": 3}', "name must be a str")])
+                                          ('{"name": 3}', "name must be a str"),
+                                          ('{"tile_beside": [32, 4]}', r"tile_beside must be \[block_n"),
+                                          ('{"tile_beside": [48, 4, 3]}', "power of two"),
+                                          ('{"tma_min_tokens": [[1, -5]]}', "tokens must be >= 0"),
+                                          ('{"tma_min_tokens": [1, 2]}', "pairs")])
 def test_bad_profiles_are_refused_naming_the_problem(tmp_path, text, problem):
     path = tmp_path / "bad.json"
     path.write_text(text)
@@ -127,6 +133,27 @@ def test_plans_follow_the_profiles_sm_count():
     assert [ln.programs for ln in h200.launches] == [0, 132]  # persistent over one program a SM
     small = make_plan(tree, heads, cost=CostModel(tma=True, pdl=True, profile=dataclasses.replace(H200, num_sms=100)))
     assert small.launches[-1].programs in (0, 100)
+
+
+def test_plans_follow_the_profiles_lowering_tiles_and_thresholds():
+    """The lowering takes its tiles and thresholds from the cost model's profile, and precompile
+    compiles what that profile's plans launch: the root of ``1,20_100,5`` (one 128-row launch over
+    a run of 100 slots, 32-token tiles: 3 and a partial one) takes the profile's tall contig tile,
+    and the split tail once ``split_tail_tiles`` tiles fit in its unit."""
+    from treeattn.precompile import launch_configs
+
+    tree, heads = tree_from_spec("1,20_100,5"), HeadConfig(8, 2, 32, torch.float16)
+    odd = dataclasses.replace(H200, tile_tall_contig=(16, 2, 2), split_tail_tiles=3)
+
+    def tall(profile):
+        plan = make_plan(tree, heads, strategy="node", cost=CostModel(profile=profile))
+        return [(ln.block_n, ln.num_warps, ln.num_stages, ln.contig, ln.split_tail)
+                for ln in plan.launches if ln.block_m == 128]
+
+    assert tall(H200) == [(*H200.tile_tall_contig, True, False)]
+    assert tall(odd) == [(16, 2, 2, True, True)]
+    assert (128, 16, 2, 2, True, False) in launch_configs(heads, profile=odd)
+    assert (128, 16, 2, 2, True, False) not in launch_configs(heads, profile=H200)
 
 
 def _cases():

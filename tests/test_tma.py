@@ -13,23 +13,18 @@ from helpers import TOL, rel_l2, scratch_medusa
 
 from treeattn import DecodingTree, HeadConfig, TreeAttention
 from treeattn.launchers import _tma_descriptors
-from treeattn.plan.lower.addressing import (
-    TILE_TALL_CONTIG,
-    TILE_TALL_TMA,
-    TMA_MIN_TOKENS,
-    tma_launches,
-    tma_loads,
-    tma_pays,
-)
+from treeattn.plan.lower.addressing import tma_launches, tma_loads, tma_pays
 from treeattn.plan.select.estimate import estimate_items
 from treeattn.plan.select.cost import CostModel
 from treeattn.plan.strategies.node import node_items
 from treeattn.plan.strategies.paths import paths_variants
 from treeattn.plan.format import Launch
+from treeattn.plan.select.profiles import H200
 from treeattn.reference import reference_attention
 from treeattn.tree import tree_from_spec
 
 HQ, HKV, D = 8, 2, 32
+TILE_TALL_CONTIG, TILE_TALL_TMA, TMA_MIN_TOKENS = H200.tile_tall_contig, H200.tile_tall_tma, H200.tma_min_tokens
 
 
 def test_tma_loads_needs_the_device_16_bit_caches_and_a_small_head_dim():
@@ -44,8 +39,8 @@ def test_tma_loads_needs_the_device_16_bit_caches_and_a_small_head_dim():
 
 
 def test_tma_launches_rule():
-    """Tall contig launches at TILE_TALL_CONTIG over units averaging the most tokens of
-    TMA_MIN_TOKENS take the TMA tile and the split tail (with 4 waves of programs); shorter units,
+    """Tall contig launches at ``tile_tall_contig`` over units averaging the most tokens of
+    ``tma_min_tokens`` take the TMA tile and the split tail (with 4 waves of programs); shorter units,
     gathered or other launches are kept."""
     long_units = TMA_MIN_TOKENS[-1][1]
     tall = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_CONTIG))
@@ -55,14 +50,14 @@ def test_tma_launches_rule():
                 Launch(64, 64, 6, 8, 4, 3, contig=True))
     length = np.array([long_units, long_units + 1, long_units, long_units - 2] + [5000] * 4)
     start = np.arange(8) * 10000
-    out = tma_launches(launches, start, start + length, 8, 4)
+    out = tma_launches(launches, start, start + length, 8, profile=dataclasses.replace(H200, num_sms=4))
     assert out[0] == dataclasses.replace(launches[0], block_n=TILE_TALL_TMA[0], num_warps=TILE_TALL_TMA[1],
                                          num_stages=TILE_TALL_TMA[2], split_tail=True, tma=True)
     assert out[1:] == launches[1:]  # mean 0.5 tokens short; gathered; not the tall tile
 
 
 def test_tma_launches_take_shorter_units_with_fewer_waves():
-    """Each (waves, tokens) of TMA_MIN_TOKENS: a tall contig launch of at most ``waves`` x SMs
+    """Each (waves, tokens) of ``tma_min_tokens``: a tall contig launch of at most ``waves`` x SMs
     programs takes the TMA tile from ``tokens`` on, and not a token shorter nor on one SM less."""
     tall = dict(zip(("block_n", "num_warps", "num_stages"), TILE_TALL_CONTIG))
     launch = (Launch(128, work_start=0, work_end=3, contig=True, masked=False, **tall),)  # 24 programs
@@ -70,8 +65,9 @@ def test_tma_launches_take_shorter_units_with_fewer_waves():
     for waves, tokens in TMA_MIN_TOKENS:
         num_sms = int(np.ceil(24 / waves))
         for length, sms, tma in ((tokens, num_sms, True), (tokens - 1, num_sms, False), (tokens, num_sms - 1, False)):
-            got = tma_launches(launch, start, start + length, 8, sms)[0].tma
-            assert got is tma and bool(tma_pays(24, float(length), sms)) is tma, (waves, tokens, length, sms)
+            profile = dataclasses.replace(H200, num_sms=sms)
+            got = tma_launches(launch, start, start + length, 8, profile=profile)[0].tma
+            assert got is tma and bool(tma_pays(24, float(length), profile=profile)) is tma, (waves, tokens, length, sms)
 
 
 def tall_tree(page_size: int, gap: int = 0) -> DecodingTree:

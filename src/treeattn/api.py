@@ -153,7 +153,8 @@ class TreeAttention:
                    vocab: int | None = None) -> int:
         """Compile every kernel variant this wrapper's plans for these heads can launch, now
         (Triton compiles a variant on its first launch, seconds each): with this wrapper's
-        ``pdl``, TMA loads and merging last launches, in ``workers`` processes on a GPU
+        ``pdl``, TMA loads, merging last launches and device profile (whose tiles the lowering
+        gives), in ``workers`` processes on a GPU
         (:func:`treeattn.precompile.precompile`); with ``vocab``, the fused sampling kernel's
         too. Returns the launches made here; 0 with the torch backend."""
         if self.backend != "triton":
@@ -161,7 +162,7 @@ class TreeAttention:
         heads = HeadConfig(num_qo_heads, num_kv_heads, head_dim, dtype)
         return precompile(heads, page_size=page_size, device=self.device, pdl=self.pdl,
                           tma=tma_loads(heads, self.cost), merge_last=self.cost.merges_last(heads), workers=workers,
-                          vocab=vocab)
+                          vocab=vocab, profile=self.cost.profile)
 
     def partial_buffers(self, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the workspace that ``run`` gives ``plan``'s partial results:

@@ -23,10 +23,7 @@ import torch
 
 from treeattn.launchers import attention_constexprs, gumbel_argmax, merge_partials, partial_attention
 from treeattn.plan.lower.addressing import (
-    BESIDE_MIN_GROUP,
-    SPLIT_TAIL_ROWS,
     TALL_CONTIG_ROWS,
-    TILE_TALL_TMA,
     beside_configs,
     contig_configs,
     gathered_configs,
@@ -35,15 +32,17 @@ from treeattn.plan.lower.addressing import (
 )
 from treeattn.plan.lower.merge_config import launch_merges, merge_launches
 from treeattn.plan.format import HeadConfig, Launch, launch_shapes
+from treeattn.plan.select.profiles import DeviceProfile, profile_for
 
 __all__ = ["launch_configs", "persists", "precompile"]
 
 log = logging.getLogger(__name__)
 
 
-def launch_configs(heads: HeadConfig, *, tma: bool = False, pdl: bool = False) -> list:
+def launch_configs(heads: HeadConfig, *, profile: DeviceProfile, tma: bool = False, pdl: bool = False) -> list:
     """Every ``(block_m, block_n, num_warps, num_stages, contig, tma)`` an attention launch of a
-    plan for ``heads`` can have (``tma``: plans may take
+    plan for ``heads`` can have, lowered by the rules and tiles of ``profile`` (the cost model's
+    that planned it; ``tma``: plans may take
     :func:`~treeattn.plan.lower.addressing.tma_launches`; ``pdl``: plans run with PDL, whose tall
     launches may run persistent): each planned shape gathering its slots or computing them, as
     :mod:`treeattn.plan.lower.addressing` configures each (contig launches may run one pipeline stage
@@ -54,28 +53,30 @@ def launch_configs(heads: HeadConfig, *, tma: bool = False, pdl: bool = False) -
     eb, group = heads.elem_bytes, heads.group
     out = []
     for m, n, warps, stages in launch_shapes(heads):
-        out += [(m, *c, False, False) for c in gathered_configs(m, n, warps, stages, elem_bytes=eb)]
-        out += [(m, *c, True, False) for c in contig_configs(m, n, warps, stages)]
-        out += [(m, *TILE_TALL_TMA, True, True)] * (tma and m >= TALL_CONTIG_ROWS and n >= 64)
-        if pdl and may_persist(m, contig=False, tma=False, group=group):
-            out += [(m, *persistent_tile(*c, elem_bytes=eb), False, False)
-                    for c in gathered_configs(m, n, warps, stages, elem_bytes=eb)]
-        if pdl and group >= BESIDE_MIN_GROUP:
-            out += [(m, *c, True, False) for c in beside_configs(m, n)]
+        gathered = gathered_configs(m, n, warps, stages, elem_bytes=eb, profile=profile)
+        out += [(m, *c, False, False) for c in gathered]
+        out += [(m, *c, True, False) for c in contig_configs(m, n, warps, stages, profile=profile)]
+        out += [(m, *profile.tile_tall_tma, True, True)] * (tma and m >= TALL_CONTIG_ROWS and n >= 64)
+        if pdl and may_persist(m, contig=False, tma=False, group=group, profile=profile):
+            out += [(m, *persistent_tile(*c, elem_bytes=eb, profile=profile), False, False) for c in gathered]
+        if pdl and group >= profile.beside_min_group:
+            out += [(m, *c, True, False) for c in beside_configs(m, n, profile=profile)]
     return list(dict.fromkeys(out))
 
 
-def persists(heads: HeadConfig, cfg: tuple, *, pdl: bool) -> bool:
-    """Whether a launch of ``cfg`` (a :func:`launch_configs` entry) may run persistent
-    (:func:`~treeattn.plan.lower.addressing.persistent_tall`, plans run with ``pdl``, at the launch's
-    :func:`~treeattn.plan.lower.addressing.persistent_tile`)."""
+def persists(heads: HeadConfig, cfg: tuple, *, profile: DeviceProfile, pdl: bool) -> bool:
+    """Whether a launch of ``cfg`` (a :func:`launch_configs` entry under ``profile``) may run
+    persistent (:func:`~treeattn.plan.lower.addressing.persistent_tall`, plans run with ``pdl``, at
+    the launch's :func:`~treeattn.plan.lower.addressing.persistent_tile`)."""
     m, n, warps, stages, contig, tma = cfg
-    return (pdl and may_persist(m, contig=contig, tma=tma, group=heads.group)
-            and (n, warps, stages) == persistent_tile(n, warps, stages, elem_bytes=heads.elem_bytes, tma=tma))
+    return (pdl and may_persist(m, contig=contig, tma=tma, group=heads.group, profile=profile)
+            and (n, warps, stages) == persistent_tile(n, warps, stages, elem_bytes=heads.elem_bytes, tma=tma,
+                                                      profile=profile))
 
 
 def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
-               tma: bool = False, merge_last: bool = True, workers: int = 0, vocab: int | None = None) -> int:
+               tma: bool = False, merge_last: bool = True, workers: int = 0, vocab: int | None = None,
+               profile: DeviceProfile | None = None) -> int:
     """Launch every partial-attention variant a plan for ``heads`` can use (each of
     :func:`launch_configs` x tree mask x rows to the merge, direct or merged in the launch x grid
     order x mask split x split tail; x persistent where :func:`persists`)
@@ -93,19 +94,25 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     0 or 1: compile in this process.
     ``vocab``: also every variant of the fused sampling kernel
     (:func:`~treeattn.launchers.gumbel_argmax`) over float32 logits of this many entries.
+    ``profile``: the device profile of the cost model that plans (its lowering rules' tiles and
+    thresholds decide the variants); None: :func:`~treeattn.plan.select.profiles.profile_for`
+    ``device``, the default cost model's.
 
     Returns the number of launches made in this process.
     """
     device = torch.device(device)
+    if profile is None:
+        profile = profile_for(device)
     if workers > 1 and device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last, vocab)
-    return _launch_share(heads, page_size, device, pdl, tma, 0, 1, merge_last=merge_last, vocab=vocab)
+        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last, vocab, profile)
+    return _launch_share(heads, page_size, device, pdl, tma, 0, 1, merge_last=merge_last, vocab=vocab,
+                         profile=profile)
 
 
 def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
-              merge_last: bool = True, vocab: int | None = None):
+              profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None):
     """Yield one callable per variant, which launches it (on dummy data, shared between them)."""
     if vocab is not None:
         # sampling: with or without noise, the counter and the temperature for the step or per
@@ -132,12 +139,13 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
         # rows: to the merge, direct where final, or merging (a plan's last launch)
         seen = set()
         for cfg, rows, inner, split, tail, persist in itertools.product(
-                launch_configs(heads, tma=tma, pdl=pdl), ("part", "direct", "merge"), (False, True), (False, True),
-                (False, True), (False, True)):
+                launch_configs(heads, profile=profile, tma=tma, pdl=pdl), ("part", "direct", "merge"),
+                (False, True), (False, True), (False, True), (False, True)):
             m, n, warps, stages, contig, tma_ = cfg
             # (launches the builder never makes)
-            if (tail and m < SPLIT_TAIL_ROWS) or (rows == "merge" and not (merge_last and launch_merges(m, tma_))) \
-                    or (persist and (rows == "merge" or not persists(heads, cfg, pdl=pdl))):
+            if (tail and m < profile.split_tail_rows) \
+                    or (rows == "merge" and not (merge_last and launch_merges(m, tma_))) \
+                    or (persist and (rows == "merge" or not persists(heads, cfg, profile=profile, pdl=pdl))):
                 continue
             launch = Launch(m, n, 0, plan.num_work, warps, stages, heads_inner=inner, mask_split=split,
                             contig=contig, split_tail=tail, tma=tma_, programs=int(persist))
@@ -164,11 +172,11 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
 
 
 def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, index: int,
-                  count: int, *, merge_last: bool = True, vocab: int | None = None) -> int:
+                  count: int, *, profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None) -> int:
     """Launch variants ``index``, ``index + count``, ... of :func:`_variants`; returns how many."""
     launches = 0
-    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma, merge_last=merge_last,
-                                             vocab=vocab), index, None, count):
+    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma, profile=profile,
+                                             merge_last=merge_last, vocab=vocab), index, None, count):
         launch()
         launches += 1
     return launches
@@ -176,7 +184,7 @@ def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: 
 
 @functools.cache
 def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
-                        workers: int, merge_last: bool = True, vocab: int | None = None) -> None:
+                        workers: int, merge_last: bool, vocab: int | None, profile: DeviceProfile) -> None:
     """Run ``workers`` processes of :func:`main`, each its share of the
     variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
     process for each set of arguments (cached): a later call finds the variants in this process's
@@ -186,7 +194,8 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
               f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma \
-        + ["--no-merge-last"] * (not merge_last) + [f"--vocab={vocab}"] * (vocab is not None)
+        + ["--no-merge-last"] * (not merge_last) + [f"--vocab={vocab}"] * (vocab is not None) \
+        + [f"--profile={profile.to_json()}"]
     # (a new interpreter, not a fork: CUDA cannot be used in a forked child; and not
     # multiprocessing's spawn, which would re-run a caller's script without a main guard; nor
     # ``-m treeattn.precompile``, which the package's import would load a second time)
@@ -214,6 +223,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tma", action="store_true")
     ap.add_argument("--no-merge-last", action="store_true")
     ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--profile", required=True, help="the DeviceProfile as JSON")
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--count", type=int, required=True)
     args = ap.parse_args(argv)
@@ -221,6 +231,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     torch.cuda.set_device(device)  # (Triton compiles for the current device)
     _launch_share(HeadConfig(hq, hkv, d, getattr(torch, args.dtype)), args.page_size, device, args.pdl, args.tma,
-                  args.index, args.count, merge_last=not args.no_merge_last, vocab=args.vocab)
+                  args.index, args.count, profile=DeviceProfile.from_json(args.profile, source="--profile"),
+                  merge_last=not args.no_merge_last, vocab=args.vocab)
     torch.cuda.synchronize()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from treeattn.plan.select.profiles import DeviceProfile
 from treeattn.tree import DecodingTree
 
 __all__ = ["Plan", "PlanIO", "PlanHost", "Launch", "HeadConfig", "launch_shapes", "masked_entries",
@@ -177,9 +178,10 @@ class PlanHost:
     saw_all : bool [Q]
         Queries that see the whole of their node.
     gather_launches : tuple of Launch
-    num_sms : int
-        The plan's launches before :func:`~treeattn.plan.lower.addressing.contig_launches`, and the SM
-        count it used (an update sets ``contig`` again for its new KV list).
+    profile : DeviceProfile
+        The plan's launches before :func:`~treeattn.plan.lower.addressing.contig_launches`, and the
+        device profile it used (an update sets ``contig`` again for its new KV list, by the same
+        rules and tiles).
     tree : DecodingTree
         The tree the plan was made for.
     """
@@ -201,7 +203,7 @@ class PlanHost:
     unit_mask: tuple | None
     saw_all: np.ndarray
     gather_launches: tuple
-    num_sms: int
+    profile: DeviceProfile
     tree: DecodingTree
 
 

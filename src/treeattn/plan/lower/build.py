@@ -323,18 +323,17 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads,
                                             tall_first=True))
     gather_launches = tuple(launches)
+    profile = cost.profile  # (the lowering rules' tiles and thresholds are the device's, as its rates)
     launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
-                               heads.num_kv_heads, cost.profile.num_sms, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
+                               heads.num_kv_heads, profile=profile, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
                                unit_tokens=work_kv_end - work_kv_start)
     if tma_loads(heads, cost):
-        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.profile.num_sms)
+        launches = tma_launches(launches, work_kv_start, work_kv_end, heads.num_kv_heads, profile=profile)
     tall_first = cost.tall_first(longest_s)
     if tall_first and cost.pdl:
-        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads, cost.profile.num_sms,
-                                   group=heads.group, elem_bytes=heads.elem_bytes,
-                                   share_gathered=cost.profile.persist_share_gathered, share_tma=cost.profile.persist_share_tma,
-                                   min_leaf_entries=cost.profile.persist_min_leaf_entries)
-    launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask)
+        launches = persistent_tall(launches, work_kv_start, work_kv_end, heads.num_kv_heads,
+                                   group=heads.group, elem_bytes=heads.elem_bytes, profile=profile)
+    launches = split_tails(launches, work_kv_start, work_kv_end, has_mask=needs_mask, profile=profile)
     # IO
     hq, hkv, d, eb = heads.num_qo_heads, heads.num_kv_heads, heads.head_dim, heads.elem_bytes
     kv_tok = int(item_bound[-1])
@@ -388,5 +387,5 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
                       mask_tails=tail.searchsorted(work_mask_start) if needs_mask else None,
                       unit_mask=unit_mask_terms(gather_launches, num_work) if needs_mask else None,
                       saw_all=tree.query_prefix == tree.lengths[tree.query_nodes],
-                      gather_launches=gather_launches, num_sms=cost.profile.num_sms, tree=tree),
+                      gather_launches=gather_launches, profile=profile, tree=tree),
     )

@@ -78,19 +78,19 @@ def _launches(plan: Plan, counts: np.ndarray, inserted: np.ndarray, new_slots: n
         k = lo + int(np.argmax(counts[lo:hi] > 0))
         if new_slots[inserted[k]] != h.kv_slots[h.tail_pos[k]] + 1:
             # configured as a fresh plan's launch with a unit that is no run
-            gathers = contig_launches((ln,), np.zeros(ln.work_end, dtype=bool), plan.heads.num_kv_heads, h.num_sms,
-                                      has_mask=plan.has_mask, elem_bytes=plan.heads.elem_bytes,
+            gathers = contig_launches((ln,), np.zeros(ln.work_end, dtype=bool), plan.heads.num_kv_heads,
+                                      profile=h.profile, has_mask=plan.has_mask, elem_bytes=plan.heads.elem_bytes,
                                       unit_tokens=np.zeros(ln.work_end, dtype=np.int64))[0]
             out.append(_with_hints(gathers, now))
         else:
             is_run = unit_runs(host["kv_indices"], host["work_kv_start"], host["work_kv_end"])
             out = [_with_hints(x, now) for x, now in zip(
-                contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, h.num_sms,
+                contig_launches(h.gather_launches, is_run, plan.heads.num_kv_heads, profile=h.profile,
                                 has_mask=plan.has_mask, elem_bytes=plan.heads.elem_bytes,
                                 unit_tokens=host["work_kv_end"] - host["work_kv_start"]), plan.launches)]
             break
     # (launches reconfigured beside a persistent one take its neighbours' tile again)
-    return beside_persistent(out, group=plan.heads.group)
+    return beside_persistent(out, group=plan.heads.group, profile=h.profile)
 
 
 def _with_hints(launch, now):

@@ -254,5 +254,5 @@ class CostModel:
         of slots (``runs``): contig tall tiles (:func:`~treeattn.plan.lower.addressing.contig_launches`)
         where :func:`~treeattn.plan.lower.addressing.tma_pays`."""
         programs = slots.programs
-        return runs & tall_tile(slots.block_m, slots.block_n, programs, self.profile.num_sms) & \
-            tma_pays(programs, slots.tokens * hkv / np.maximum(programs, 1), self.profile.num_sms)
+        return runs & tall_tile(slots.block_m, slots.block_n, programs, profile=self.profile) & \
+            tma_pays(programs, slots.tokens * hkv / np.maximum(programs, 1), profile=self.profile)

@@ -2,10 +2,11 @@
 
 A :class:`DeviceProfile` holds the device's facts (SM count, shared memory, L2, HBM bandwidth)
 and every constant fitted or measured on it that :class:`~treeattn.plan.select.cost.CostModel`
-rates plans with or that decides how a plan is lowered (persistent launches, the fold of the
-merge into the last launch). :func:`profile_for` picks one for a device: a user profile written
-by ``treeattn calibrate``, else a built-in one, else an approximation. Without a GPU it is
-:data:`H200`, so plans made on a CPU are those the H200 runs.
+rates plans with or that decides how a plan is lowered (the lowering rules' tiles and
+thresholds, persistent launches, the fold of the merge into the last launch). :func:`profile_for`
+picks one for a device: a user profile written by ``treeattn calibrate``, else a built-in one,
+else an approximation. Without a GPU it is :data:`H200`, so plans made on a CPU are those the
+H200 runs.
 """
 from __future__ import annotations
 
@@ -107,6 +108,52 @@ class DeviceProfile:
     persist_share_gathered: float = 0.72
     persist_share_tma: float = 0.5
     persist_min_leaf_entries: int = 1 << 19
+    # -- lowering tiles (block_n, num_warps, num_stages) and thresholds
+    #: (:func:`~treeattn.plan.lower.addressing.contig_launches`) unmasked contig launches of the
+    #: tallest query tiles over long KV tiles, up to this many waves of programs (the most
+    #: measured), take ``tile_tall_contig``: 32-token tiles keep three stages in flight in the
+    #: shared memory two 64-token ones fill (1.04-1.29x faster on 45 of the suite's 47 such launches)
+    tile_tall_contig: tuple[int, int, int] = (32, 4, 3)
+    tall_contig_waves: float = 6.0
+    #: (:func:`~treeattn.plan.lower.addressing.tma_launches`) those load K/V through tensor
+    #: descriptors at ``tile_tall_tma`` where their units average, for some ``(waves, tokens)``
+    #: here, ``tokens`` or more with at most ``waves`` x SMs programs (1.12-1.49x on long units;
+    #: the wide tile's pipeline start cost up to 1.2x over short ones). Waves beyond
+    #: ``tall_contig_waves`` add nothing: only launches at ``tile_tall_contig`` qualify
+    tile_tall_tma: tuple[int, int, int] = (128, 8, 3)
+    tma_min_tokens: tuple[tuple[float, int], ...] = ((0.75, 384), (1.0, 1024), (6.0, 2048))
+    #: gathered launches of the tallest query tiles over long KV tiles, 16-bit caches: at 64-token
+    #: tiles the kernel spills; 32-token tiles in 7 stages 1.043x geomean on an H100
+    tile_tall_gathered: tuple[int, int, int] = (32, 4, 7)
+    #: gathered launches of tiles of this many rows over long KV tiles, with this many waves of
+    #: programs or more, run this many warps a program (1.03-1.12x on the suite's twelve)
+    gathered_narrow_rows: int = 32
+    gathered_narrow_waves: float = 6.0
+    gathered_narrow_warps: int = 2
+    #: contig launches of more than three programs a SM keep their planned pipeline depth where
+    #: their units average this many tokens or more (else one stage less)
+    deep_pipeline_min_tokens: int = 1024
+    #: (:func:`~treeattn.plan.lower.addressing.split_tails`) unmasked launches of query tiles of
+    #: this many rows or more take the select-free softmax step where no unit ends in a partial KV
+    #: tile, or where their units average this many KV tiles or more
+    split_tail_rows: int = 64
+    split_tail_tiles: int = 32
+    #: (:func:`~treeattn.plan.lower.addressing.persistent_tall`) the largest launch of query tiles
+    #: of ``persist_rows`` rows or more may run persistent where the shorter tiles' launches read
+    #: ``persist_min_leaf_ratio`` times its KV (counted for 128-row tiles) at GQA groups of
+    #: ``persist_min_group`` or more; over part of the SMs where it is TMA or they read
+    #: ``persist_partition_ratio`` times its KV, else over one program a SM from
+    #: ``persist_min_waves`` waves of programs
+    persist_rows: int = 64
+    persist_min_leaf_ratio: float = 2.0
+    persist_partition_ratio: float = 3.5
+    persist_min_waves: float = 1.5
+    persist_min_group: int = 4
+    #: (:func:`~treeattn.plan.lower.addressing.beside_persistent`) beside a persistent gathered
+    #: launch, at GQA groups of ``beside_min_group`` or more, contig launches of shorter tiles over
+    #: 64-token KV tiles take ``tile_beside`` (1.004-1.026x at 64/8 on an H200)
+    tile_beside: tuple[int, int, int] = (32, 4, 3)
+    beside_min_group: int = 8
 
     def to_json(self, *, provenance: dict | None = None) -> str:
         """The profile as a JSON object (with a ``provenance`` object where given)."""
@@ -118,7 +165,9 @@ class DeviceProfile:
     @classmethod
     def from_json(cls, text: str, *, source: str = "profile") -> DeviceProfile:
         """The profile a :meth:`to_json` text holds. Constants it leaves out keep the H200's
-        values; an unknown key or a value of the wrong type raises ValueError naming ``source``."""
+        values; an unknown key or a value of the wrong type or range (a negative number, a tile
+        that is not ``[block_n, num_warps, num_stages]`` with powers of two) raises ValueError
+        naming ``source``."""
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
@@ -130,15 +179,59 @@ class DeviceProfile:
         unknown = sorted(set(data) - set(types))
         if unknown:
             raise ValueError(f"{source}: unknown profile keys {unknown}")
+        values = {}
         for key, value in data.items():
-            want = {"str": str, "int": int, "float": (int, float)}[types[key]]
-            if isinstance(value, bool) or not isinstance(value, want):
-                raise ValueError(f"{source}: {key} must be a {types[key]}, got {value!r}")
-            if types[key] != "str" and value < 0:
-                raise ValueError(f"{source}: {key} must be >= 0, got {value!r}")
-        if data.get("num_sms", 1) < 1:
-            raise ValueError(f"{source}: num_sms must be >= 1, got {data['num_sms']}")
-        return cls(**{k: float(v) if types[k] == "float" else v for k, v in data.items()})
+            kind = types[key]
+            if kind == _TILE:
+                values[key] = _tile(value, f"{source}: {key}")
+            elif kind == _WAVES_TOKENS:
+                values[key] = _waves_tokens(value, f"{source}: {key}")
+            else:
+                values[key] = _scalar(value, kind, f"{source}: {key}")
+        if values.get("num_sms", 1) < 1:
+            raise ValueError(f"{source}: num_sms must be >= 1, got {values['num_sms']}")
+        return cls(**values)
+
+
+#: the annotations of tile and (waves, tokens) fields, as ``dataclasses.fields`` gives them
+_TILE = "tuple[int, int, int]"
+_WAVES_TOKENS = "tuple[tuple[float, int], ...]"
+
+
+def _scalar(value, kind: str, what: str):
+    """A JSON value as a profile field of type ``kind`` (str, int, float >= 0); ValueError naming
+    ``what`` otherwise."""
+    want = {"str": str, "int": int, "float": (int, float)}[kind]
+    if isinstance(value, bool) or not isinstance(value, want):
+        raise ValueError(f"{what} must be a {kind}, got {value!r}")
+    if kind != "str" and value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value!r}")
+    return float(value) if kind == "float" else value
+
+
+def _tile(value, what: str) -> tuple:
+    """A JSON ``[block_n, num_warps, num_stages]`` as a tile: the first two powers of two (the
+    kernel's tiles and Triton's warps), block_n 16 or more, stages 1 or more."""
+    if not (isinstance(value, list) and len(value) == 3
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in value)):
+        raise ValueError(f"{what} must be [block_n, num_warps, num_stages] of positive ints, got {value!r}")
+    block_n, num_warps, _ = value
+    if block_n < 16 or block_n & (block_n - 1) or num_warps & (num_warps - 1):
+        raise ValueError(f"{what}: block_n must be a power of two >= 16 and num_warps a power of two, "
+                         f"got {value!r}")
+    return tuple(value)
+
+
+def _waves_tokens(value, what: str) -> tuple:
+    """A JSON list of ``[waves, tokens]`` pairs (numbers >= 0, tokens an int) as a tuple of pairs."""
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list of [waves, tokens] pairs, got {value!r}")
+    out = []
+    for pair in value:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise ValueError(f"{what} must be a list of [waves, tokens] pairs, got {pair!r} in it")
+        out.append((_scalar(pair[0], "float", f"{what}'s waves"), _scalar(pair[1], "int", f"{what}'s tokens")))
+    return tuple(out)
 
 
 #: NVIDIA H200 SXM (141 GB): the constants above.
