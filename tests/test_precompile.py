@@ -1,5 +1,6 @@
 """precompile: every kernel variant a plan can launch, compiled up front (in this process under
 Triton's interpreter; worker processes on CUDA devices)."""
+import dataclasses
 import os
 
 import pytest
@@ -86,6 +87,20 @@ def test_worker_shares_partition_the_variants(recorded, count):
     shares = [pc._launch_share(heads, 16, torch.device("cpu"), True, True, i, count, profile=H200) for i in range(count)]
     assert sum(shares) == everything and max(shares) - min(shares) <= 1
     assert sorted(map(repr, recorded)) == sorted(map(repr, full))
+
+
+def test_worker_reads_its_arguments(monkeypatch):
+    """A worker process gets the planner's profile (as JSON), the vocabulary and its share."""
+    seen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(pc, "_launch_share", lambda *a, **kw: seen.append((a, kw)))
+    profile = dataclasses.replace(H200, num_sms=100, tile_tall_tma=(64, 4, 2))
+    pc.main(["--heads=8,2,16", "--dtype=bfloat16", "--page-size=16", "--device=cpu", "--pdl", "--vocab=300",
+             f"--profile={profile.to_json()}", "--index=1", "--count=3"])
+    (args, kw), = seen
+    assert args == (HeadConfig(8, 2, 16, torch.bfloat16), 16, torch.device("cpu"), True, False, 1, 3)
+    assert kw == dict(profile=profile, merge_last=True, vocab=300)
 
 
 def test_workers_compile_only_on_cuda(recorded, monkeypatch):
