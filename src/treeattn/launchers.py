@@ -430,7 +430,7 @@ def gumbel_argmax(logits: torch.Tensor, *, streams: torch.Tensor | None = None,
     _sample_partial_kernel[(n, parts)](
         logits, streams if streams is not None else dummy, counter if row_counter else dummy,
         scale if row_scale else dummy, part_y, part_i, part_m, part_s,
-        logits.stride(0), logits.stride(1), vocab, chunk, parts, c, 1.0 if row_scale else float(scale),
+        logits.stride(0), logits.stride(1), vocab, chunk // block, parts, c, 1.0 if row_scale else float(scale),
         NOISE=streams is not None, ROW_COUNTER=row_counter, ROW_SCALE=row_scale, STATS=stats, BLOCK=block,
         num_warps=8, enable_fp_fusion=False)
     # (one BLOCK_P per vocabulary, whatever the rows: a batch that shrinks compiles no new variant)

@@ -38,18 +38,22 @@ def _first_max(y, idx):
     return tl.where(has_nan, float("nan"), top), best
 
 
-@triton.jit(do_not_specialize=["counter"])
+# (the counter, the parts and their tiles vary with the step and the batch: not specialised on
+# their values, every step and batch size runs the kernels compiled up front)
+@triton.jit(do_not_specialize=["part_tiles", "num_parts", "counter"])
 def _sample_partial_kernel(X, STREAMS, COUNTERS, SCALES, PART_Y, PART_I, PART_M, PART_S,
-                           stride_row, stride_col, vocab, chunk, num_parts, counter, scale,
+                           stride_row, stride_col, vocab, part_tiles, num_parts, counter, scale,
                            NOISE: tl.constexpr, ROW_COUNTER: tl.constexpr, ROW_SCALE: tl.constexpr,
                            STATS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``(row, part)`` reads entries ``[part * chunk, (part + 1) * chunk)`` of the row.
+    """Program ``(row, part)`` reads entries ``[part * chunk, (part + 1) * chunk)`` of the row,
+    ``chunk = part_tiles * BLOCK``.
 
     Each lane keeps its own first maximum of ``x + G`` and its own running max / sum-exp over the
     tiles (no cross-lane reduction inside the loop); the lanes are reduced once at the end.
     """
     row = tl.program_id(0)
     part = tl.program_id(1)
+    chunk = part_tiles * BLOCK
     lo = part * chunk
     hi = tl.minimum(lo + chunk, vocab)
     if ROW_SCALE:
@@ -99,7 +103,7 @@ def _sample_partial_kernel(X, STREAMS, COUNTERS, SCALES, PART_Y, PART_I, PART_M,
         tl.store(PART_S + out, tl.sum(acc * tl.exp(m - ref), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_parts"])
 def _sample_combine_kernel(PART_Y, PART_I, PART_M, PART_S, TOKENS, NORM, num_parts,
                            STATS: tl.constexpr, BLOCK_P: tl.constexpr):
     """Program ``row``: the row's token from its partials (the first maximum, parts in vocabulary
