@@ -81,7 +81,7 @@ def test_launch_features_match_build_plan(name, heads):
             # the builder dropped queries that see nothing of a split chunk (queries inside a
             # node); the estimate, which does not compute visibility, keeps them
             continue
-        f = launch_features(items.item_len, items.item_queries, heads)
+        f = launch_features(items.item_len, items.item_queries, heads, profile=cm.profile)
         got = sorted((int(a), int(b), int(p)) for a, b, p in f[:, :3])
         # (the builder's launches before addressing: a tall contig launch may take another KV tile)
         want = sorted((ln.block_m, ln.block_n, (ln.work_end - ln.work_start) * heads.num_kv_heads)

@@ -334,17 +334,16 @@ def test_merge_last_needs_a_plan_that_allows_it(device):
 
 
 def test_builder_orders_heads_inner_for_long_work_units():
-    """Long work units (>= HEADS_INNER_MIN_TOKENS KV tokens on average in a launch) get the
-    heads-inner grid order; short ones, and items with several query tiles, keep the
+    """Long work units (>= the profile's heads_inner_min_tokens KV tokens on average in a launch)
+    get the heads-inner grid order; short ones, and items with several query tiles, keep the
     work-unit-major order."""
-    from treeattn.plan.format import HEADS_INNER_MIN_TOKENS
-
     w = TreeAttention(backend="triton", cost=CostModel(target_programs=1))  # no KV split
-    long_plan = w.plan(tree_from_spec(f"4_{HEADS_INNER_MIN_TOKENS}"), num_qo_heads=8, num_kv_heads=2,
+    min_tokens = w.cost.profile.heads_inner_min_tokens
+    long_plan = w.plan(tree_from_spec(f"4_{min_tokens}"), num_qo_heads=8, num_kv_heads=2,
                        head_dim=32, strategy="sequence")
     short_plan = w.plan(tree_from_spec("4_100"), num_qo_heads=8, num_kv_heads=2, head_dim=32,
                         strategy="sequence")
-    tiled_plan = w.plan(tree_from_spec(f"1,64_{HEADS_INNER_MIN_TOKENS},1"), num_qo_heads=8, num_kv_heads=2,
+    tiled_plan = w.plan(tree_from_spec(f"1,64_{min_tokens},1"), num_qo_heads=8, num_kv_heads=2,
                         head_dim=32, strategy="node")
     assert all(ln.heads_inner for ln in long_plan.launches)
     assert not any(ln.heads_inner for ln in short_plan.launches)

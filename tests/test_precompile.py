@@ -28,7 +28,7 @@ def test_precompile_covers_every_variant(recorded):
     """Serving warms Triton up front: every launch shape a plan can use, with and without the
     tree mask, and every merge head-block, each launched once (recorded, not run)."""
     heads = HeadConfig(8, 2, 16, torch.float32)
-    shapes = launch_shapes(heads)
+    shapes = launch_shapes(heads, profile=H200)
     assert {s[0] for s in shapes} == {16, 32, 64, 128} and len(shapes) == 8
     # each shape gathers its slots or computes them (contig), a 3-stage contig one also with 2
     # stages, a tall one of long KV tiles also with the tall tile, a gathered 32-row one of long KV

@@ -31,7 +31,8 @@ HEADS = HeadConfig(32, 8, 128, torch.float16)
 
 def test_json_round_trip(tmp_path):
     odd = dataclasses.replace(H100, sm_flops=1.23e12, merge_last_min_group=4, name="Some GPU/x",
-                              tile_tall_tma=(64, 4, 2), tma_min_tokens=((2.0, 512),), persist_min_group=2)
+                              tile_tall_tma=(64, 4, 2), tma_min_tokens=((2.0, 512),), persist_min_group=2,
+                              tile_long=(128, 8, 2), heads_inner_min_tokens=256)
     path = save_profile(odd, tmp_path / "a" / "p.json", provenance={"torch": torch.__version__})
     assert load_profile(path) == odd  # (tiles come back as tuples: profiles stay hashable)
     assert hash(load_profile(path)) == hash(odd)
@@ -49,6 +50,7 @@ def test_json_round_trip(tmp_path):
                                           ('{"name": 3}', "name must be a str"),
                                           ('{"tile_beside": [32, 4]}', r"tile_beside must be \[block_n"),
                                           ('{"tile_beside": [48, 4, 3]}', "power of two"),
+                                          ('{"tile_long": [64, 3, 3]}', "tile_long: block_n must be a power"),
                                           ('{"tma_min_tokens": [[1, -5]]}', "tokens must be >= 0"),
                                           ('{"tma_min_tokens": [1, 2]}', "pairs")])
 def test_bad_profiles_are_refused_naming_the_problem(tmp_path, text, problem):
@@ -154,6 +156,30 @@ def test_plans_follow_the_profiles_lowering_tiles_and_thresholds():
     assert tall(odd) == [(16, 2, 2, True, True)]
     assert (128, 16, 2, 2, True, False) in launch_configs(heads, profile=odd)
     assert (128, 16, 2, 2, True, False) not in launch_configs(heads, profile=H200)
+
+
+def test_plans_follow_the_profiles_kv_tiles():
+    """Items take the profile's KV tiles, in the plan and in the cost model's rating, and precompile
+    compiles them: ``4_100`` (four 100-token items of 16-row tiles, gathered) takes ``tile_long``,
+    and ``tile_short`` once ``short_item_tokens`` reaches 100."""
+    from treeattn.plan.select.launches import launch_features
+    from treeattn.precompile import launch_configs
+
+    tree, heads = tree_from_spec("4_100"), HeadConfig(8, 2, 32, torch.float16)
+    wide = dataclasses.replace(H200, tile_long=(128, 8, 2))
+
+    def tiles(profile):
+        cost = CostModel(profile=profile, target_programs=1)  # (no KV split)
+        plan = make_plan(tree, heads, strategy="sequence", cost=cost)
+        rated = launch_features(np.full(4, 100), np.ones(4, dtype=np.int64), heads, profile=profile)
+        assert rated[:, 1].tolist() == [ln.block_n for ln in plan.launches]
+        return [(ln.block_n, ln.num_warps, ln.num_stages) for ln in plan.launches]
+
+    assert tiles(H200) == [H200.tile_long]
+    assert tiles(wide) == [(128, 8, 2)]
+    assert tiles(dataclasses.replace(wide, short_item_tokens=100)) == [H200.tile_short]
+    assert (16, 128, 8, 2, False, False) in launch_configs(heads, profile=wide)
+    assert (16, 128, 8, 2, False, False) not in launch_configs(heads, profile=H200)
 
 
 def _cases():

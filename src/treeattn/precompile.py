@@ -52,7 +52,7 @@ def launch_configs(heads: HeadConfig, *, profile: DeviceProfile, tma: bool = Fal
     :func:`~treeattn.plan.lower.addressing.beside_persistent`'s)."""
     eb, group = heads.elem_bytes, heads.group
     out = []
-    for m, n, warps, stages in launch_shapes(heads):
+    for m, n, warps, stages in launch_shapes(heads, profile=profile):
         gathered = gathered_configs(m, n, warps, stages, elem_bytes=eb, profile=profile)
         out += [(m, *c, False, False) for c in gathered]
         out += [(m, *c, True, False) for c in contig_configs(m, n, warps, stages, profile=profile)]

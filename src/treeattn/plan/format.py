@@ -98,8 +98,9 @@ class Launch:
 
     ``heads_inner``: the grid runs a work unit's KV heads next to each other (one grid dimension,
     the KV head varying fastest) instead of all work units of one KV head first. The builder sets
-    it for launches of long work units whose items have one query tile each: programs reading the
-    same tokens' ``[Hkv, D]`` rows at the same time share DRAM pages.
+    it for launches of long work units (the device profile's ``heads_inner_min_tokens``) whose
+    items have one query tile each: programs reading the same tokens' ``[Hkv, D]`` rows at the
+    same time share DRAM pages.
 
     ``mask_split``: a masked launch runs each unit's tiles before its mask start unmasked, in a
     loop of their own; set where some unit has a whole tile before its mask start (the second
@@ -414,19 +415,9 @@ def _block_m_choices(group: int) -> list:
     return [m for m in BLOCK_M_CHOICES if m >= group] or [1 << (group - 1).bit_length()]
 
 
-#: KV-tile launch configs (block_n, num_warps, num_stages), picked per item by KV length (PAT's
-#: tile selector): short items waste less of a small tile, long ones pipeline deeper. Measured on
-#: an H200 over the kernel suite.
-SHORT_ITEM_TOKENS = 48
-TILE_SHORT = (32, 4, 2)
-TILE_LONG = (64, 4, 3)
-TILE_LONG_HEAD256 = (32, 4, 2)
-#: Mean KV tokens per item from which a launch orders its grid KV head fastest
-#: (:attr:`Launch.heads_inner`); measured on an H200 over the kernel suite.
-HEADS_INNER_MIN_TOKENS = 512
-
-
-def launch_shapes(heads: HeadConfig) -> list:
-    """Every ``(block_m, block_n, num_warps, num_stages)`` a plan for these heads can launch."""
-    tiles = sorted({TILE_SHORT, TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256})
+def launch_shapes(heads: HeadConfig, *, profile: DeviceProfile) -> list:
+    """Every ``(block_m, block_n, num_warps, num_stages)`` a plan for these heads can launch, at
+    the KV tiles of ``profile`` (the cost model's that planned it: its ``tile_short`` and
+    :meth:`~treeattn.plan.select.profiles.DeviceProfile.long_tile`)."""
+    tiles = sorted({profile.tile_short, profile.long_tile(heads.head_dim)})
     return [(m, *t) for m in _block_m_choices(heads.group) for t in tiles]

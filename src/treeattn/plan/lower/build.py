@@ -18,11 +18,6 @@ from treeattn.plan.strategies.items import WorkItems, _indptr, group_order
 from treeattn.plan.lower.merge_config import merge_launch
 from treeattn.plan.lower.tensors import pack_int32
 from treeattn.plan.format import (
-    HEADS_INNER_MIN_TOKENS,
-    SHORT_ITEM_TOKENS,
-    TILE_LONG,
-    TILE_LONG_HEAD256,
-    TILE_SHORT,
     HeadConfig,
     Launch,
     Plan,
@@ -163,10 +158,11 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
 
     Drops empty segments, items without tokens or queries; picks each item's query tile;
     builds the KV slot list, the merge map, the tree mask (only when needed, with each work
-    unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`) gives the SM
-    count that sizes the launches' pipelines (:func:`~treeattn.plan.lower.addressing.contig_launches`),
-    decides :attr:`Plan.tall_first` and whether the last launch may merge
-    (the profile's :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`).
+    unit's mask start) and the IO report. ``cost`` (default :class:`CostModel`): its profile
+    gives the items' KV tiles, the grid order and the lowering rules' tiles and thresholds
+    (:mod:`treeattn.plan.lower.addressing`); it decides :attr:`Plan.tall_first` and whether the
+    last launch may merge (the profile's
+    :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`).
     """
     cost = cost or CostModel()
     topo = tree.topology
@@ -202,11 +198,13 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
     # (query tile, KV tile config); ``shape`` numbers them in launch order
     m_choices = np.array(_block_m_choices(group))
     m_idx = np.minimum(m_choices.searchsorted(nq * group), m_choices.size - 1)
-    long_cfg = TILE_LONG if heads.head_dim <= 128 else TILE_LONG_HEAD256
-    kv_cfgs = sorted({TILE_SHORT, long_cfg})  # KV tile configs by block_n
+    profile = cost.profile  # (the lowering's tiles and thresholds are the device's, as its rates)
+    long_cfg = profile.long_tile(heads.head_dim)
+    kv_cfgs = sorted({profile.tile_short, long_cfg})  # KV tile configs by block_n
     shape = m_idx * len(kv_cfgs)
     if len(kv_cfgs) > 1:
-        shape += length > SHORT_ITEM_TOKENS if kv_cfgs[1] == long_cfg else length <= SHORT_ITEM_TOKENS
+        short_tokens = profile.short_item_tokens
+        shape += length > short_tokens if kv_cfgs[1] == long_cfg else length <= short_tokens
     # launch order: by shape, longest items first inside a launch so the long programs start
     # early (less tail). One key for both (lengths are positive): its stable sort is
     # lexsort((-length, shape)), and the planners' items often come in this order already
@@ -313,7 +311,7 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             sums = list(zip(np.add.reduceat(kv_tiles, first).tolist(), np.add.reduceat(split_tiles, first).tolist()))
         for i, (a, b) in enumerate(zip(first, bounds[1:])):
             block_n, num_warps, num_stages = kv_cfgs[int(shape[a]) % len(kv_cfgs)]
-            long_units = item_tokens[i + 1] - item_tokens[i] >= HEADS_INNER_MIN_TOKENS * (b - a)
+            long_units = item_tokens[i + 1] - item_tokens[i] >= profile.heads_inner_min_tokens * (b - a)
             split = needs_mask and masked[i] and longest_lead[i] >= block_n
             if needs_mask and masked[i]:
                 mask_entries += sums[i][split]
@@ -323,7 +321,6 @@ def build_plan(tree: DecodingTree, items: WorkItems, heads: HeadConfig, *, strat
             longest_s.append(cost.program_s(int(block_m[a]), block_n, -(-int(length[a]) // block_n), heads,
                                             tall_first=True))
     gather_launches = tuple(launches)
-    profile = cost.profile  # (the lowering rules' tiles and thresholds are the device's, as its rates)
     launches = contig_launches(gather_launches, runs_between(breaks, work_kv_start, work_kv_end),
                                heads.num_kv_heads, profile=profile, has_mask=needs_mask, elem_bytes=heads.elem_bytes,
                                unit_tokens=work_kv_end - work_kv_start)

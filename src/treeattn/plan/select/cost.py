@@ -154,7 +154,7 @@ class CostModel:
         """:meth:`_breakdown` of several ``(length, nq, merge_rows_max, num_queries, kv_tokens,
         masked)`` item sets (their launches found in one pass)."""
         all_launches = _launches_many([(s[0], s[1], s[5] if isinstance(s[5], np.ndarray) else None)
-                                       for s in sets], heads)
+                                       for s in sets], heads, profile=self.profile)
         return [self.total(int(length.sum() if kv_tokens is None else kv_tokens), int(nq.sum()), merge_rows_max,
                            num_queries, bool(masked.any()) if isinstance(masked, np.ndarray) else bool(masked),
                            isinstance(masked, np.ndarray), launches, heads)

@@ -69,7 +69,8 @@ def estimate_many(tree: DecodingTree, item_sets: list, heads: HeadConfig, cost: 
     # sets whose unmasked items the planner knows to read runs of slots: their launches may load
     # through TMA, rated from their units' mean length
     runs = [it.unmasked_runs for it in unique] if tma_loads(heads, cost) else []
-    slots = launch_slots(length, nq, set_of, len(unique), flagged, heads, lead, tokens=any(runs))
+    slots = launch_slots(length, nq, set_of, len(unique), flagged, heads, lead, profile=cost.profile,
+                         tokens=any(runs))
     flagged_sets = slots.flags.any(axis=1).tolist()  # (a set's launch applies the mask iff it has a flagged item)
     sets = []
     for i, it in enumerate(unique):

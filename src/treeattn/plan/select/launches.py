@@ -15,63 +15,58 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from treeattn.plan.format import (
-    SHORT_ITEM_TOKENS,
-    TILE_LONG,
-    TILE_LONG_HEAD256,
-    TILE_SHORT,
-    HeadConfig,
-    _block_m_choices,
-)
+from treeattn.plan.format import HeadConfig, _block_m_choices
+from treeattn.plan.select.profiles import DeviceProfile
 
 __all__ = ["LaunchSlots", "launch_features", "launch_slots", "launches_by_group"]
 
 
-def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig) -> np.ndarray:
+def launch_features(item_len: np.ndarray, item_queries: np.ndarray, heads: HeadConfig, *,
+                    profile: DeviceProfile) -> np.ndarray:
     """float64 [launches, 5]: ``(block_m, block_n, programs, program_tiles, max_tiles)`` of each
-    attention launch the plan builder would make for these items (items without tokens or queries
-    left out).
+    attention launch the plan builder would make for these items under ``profile`` (items without
+    tokens or queries left out).
 
     As in :func:`treeattn.plan.lower.build.build_plan`: an item's query tile is the smallest ``block_m``
-    holding its rows (queries x GQA group), split beyond the largest; its KV tile is ``block_n``
-    32 or 64 by length; one launch per ``(block_m, block_n)``, one program per (query tile, KV
-    head). ``program_tiles`` sums the KV tiles (loop iterations) of all programs of a launch,
-    ``max_tiles`` is the longest program's.
+    holding its rows (queries x GQA group), split beyond the largest; its KV tile is the
+    profile's short or long tile by length (``short_item_tokens``); one launch per ``(block_m,
+    KV tile)``, one program per (query tile, KV head). ``program_tiles`` sums the KV tiles (loop
+    iterations) of all programs of a launch, ``max_tiles`` is the longest program's.
     """
     length = np.asarray(item_len, dtype=np.int64)
     nq = np.asarray(item_queries, dtype=np.int64)
     keep = (length > 0) & (nq > 0)
     if not keep.all():
         length, nq = length[keep], nq[keep]
-    return np.array(_launches(length, nq, heads), dtype=np.float64).reshape(-1, 7)[:, :5]
+    return np.array(_launches(length, nq, heads, profile=profile), dtype=np.float64).reshape(-1, 7)[:, :5]
 
 
 @functools.lru_cache(maxsize=64)
-def _tile_tables(group: int, head_dim: int) -> tuple:
+def _tile_tables(group: int, short_cfg: tuple, long_cfg: tuple) -> tuple:
     """``(block_m, block_n, q_shape, q_last, short_bits, long_bits)``: the query and KV tile of each
-    launch shape (a query-tile height by the short and the long KV tile config), the shape (short
-    KV tiles) of an item of ``min(queries, q_last + 1)`` queries (int64 [q_last + 2]), the queries
-    the tallest query tile holds, and log2 of the short and long KV tile (long None when both
-    are one launch config)."""
+    launch shape (a query-tile height by the short and the long KV tile config, ``(block_n,
+    num_warps, num_stages)``), the shape (short KV tiles) of an item of ``min(queries, q_last +
+    1)`` queries (int64 [q_last + 2]), the queries the tallest query tile holds, and log2 of the
+    short and long KV tile (long None when both are one launch config)."""
     heights = np.array(_block_m_choices(group))
-    long_cfg = TILE_LONG if head_dim <= 128 else TILE_LONG_HEAD256
     q_last = max(int(heights[-1]) // group, 1)
     # an item's query tile is the smallest height holding its rows (queries x GQA group); the
     # tallest beyond it
     m_idx = np.minimum(np.searchsorted(heights, np.arange(q_last + 2) * group), heights.size - 1)
-    short_n, long_n = TILE_SHORT[0], long_cfg[0]
+    short_n, long_n = short_cfg[0], long_cfg[0]
     return (heights.repeat(2), np.tile([short_n, long_n], heights.size), 2 * m_idx, q_last,
-            short_n.bit_length() - 1, long_n.bit_length() - 1 if long_cfg != TILE_SHORT else None)
+            short_n.bit_length() - 1, long_n.bit_length() - 1 if long_cfg != short_cfg else None)
 
 
-def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None) -> list:
+def _launches(length: np.ndarray, nq: np.ndarray, heads: HeadConfig, masked=None, *,
+              profile: DeviceProfile) -> list:
     """:func:`launch_features` of items that all have tokens and queries, as a list of tuples,
     each with a sixth entry: whether the launch applies the tree mask (one of its items is
     flagged in per-item ``masked``, as the plan builder decides; False without flags)."""
-    return _launches_many([(length, nq, masked)], heads)[0]
+    return _launches_many([(length, nq, masked)], heads, profile=profile)[0]
 
 
-def _launches_many(sets: list, heads: HeadConfig) -> list:
+def _launches_many(sets: list, heads: HeadConfig, *, profile: DeviceProfile) -> list:
     """:func:`_launches` of several ``(length, nq, masked)`` item sets in one pass (``auto`` rates
     every strategy's items: few numpy calls for all of them)."""
     sizes = [s[0].size for s in sets]
@@ -82,19 +77,19 @@ def _launches_many(sets: list, heads: HeadConfig) -> list:
     flagged = None
     if any(s[2] is not None for s in sets):
         flagged = np.concatenate([np.zeros(n, dtype=bool) if s[2] is None else s[2] for n, s in zip(sizes, sets)])
-    return launches_by_group(length, nq, group, len(sets), flagged, heads)
+    return launches_by_group(length, nq, group, len(sets), flagged, heads, profile=profile)
 
 
 def launches_by_group(length: np.ndarray, nq: np.ndarray, group, num_groups: int, flagged: np.ndarray | None,
-                      heads: HeadConfig, lead: np.ndarray | None = None) -> list:
+                      heads: HeadConfig, lead: np.ndarray | None = None, *, profile: DeviceProfile) -> list:
     """:func:`_launches` of the items of ``num_groups`` sets at once: ``group`` (int [items] or a
     scalar) is each item's set, ``num_groups`` for items to leave out; ``flagged`` (bool [items]
     or None) the items whose launch applies the mask, ``lead`` (int [items] or None) the tokens
     of each item before its mask starts (the kernel runs the whole KV tiles before it unmasked;
     -1 or None: not known, and then all tiles of the item's launch count as masked). Returns a
     list of launches per set, each with a seventh entry: the masked KV tiles of its flagged
-    items' programs."""
-    return launch_slots(length, nq, group, num_groups, flagged, heads, lead).launches()
+    items' programs. ``profile``: the device profile whose KV tiles the plan builder gives."""
+    return launch_slots(length, nq, group, num_groups, flagged, heads, lead, profile=profile).launches()
 
 
 @dataclass(frozen=True)
@@ -139,10 +134,13 @@ class LaunchSlots:
 
 
 def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, flagged: np.ndarray | None,
-                 heads: HeadConfig, lead: np.ndarray | None = None, *, tokens: bool = False) -> LaunchSlots:
+                 heads: HeadConfig, lead: np.ndarray | None = None, *, profile: DeviceProfile,
+                 tokens: bool = False) -> LaunchSlots:
     """:func:`launches_by_group`'s launches as :class:`LaunchSlots` (``num_groups`` sets; few numpy
-    calls for all of them), with their KV tokens (:attr:`LaunchSlots.tokens`) if ``tokens``."""
-    block_m, block_n, q_shape, q_last, short_bits, long_bits = _tile_tables(heads.group, heads.head_dim)
+    calls for all of them) at the KV tiles of ``profile``, with their KV tokens
+    (:attr:`LaunchSlots.tokens`) if ``tokens``."""
+    block_m, block_n, q_shape, q_last, short_bits, long_bits = _tile_tables(
+        heads.group, profile.tile_short, profile.long_tile(heads.head_dim))
     n_shapes = block_m.size
     shape = q_shape.take(nq, mode="clip")  # (q_shape's last entry: every count beyond q_last)
     # an item whose rows fit a smaller tile has one; the others split into tallest tiles, so
@@ -157,7 +155,7 @@ def launch_slots(length: np.ndarray, nq: np.ndarray, group, num_groups: int, fla
         kv_bits = short_bits
     else:
         # (as int64: numpy casts bool operands of int64 arithmetic several times slower)
-        is_long = (length > SHORT_ITEM_TOKENS).astype(np.int64)
+        is_long = (length > profile.short_item_tokens).astype(np.int64)
         kv_bits = is_long * (long_bits - short_bits) + short_bits
         shape += is_long
     kv_tiles = ((length - 1) >> kv_bits) + 1

@@ -108,6 +108,21 @@ class DeviceProfile:
     persist_share_gathered: float = 0.72
     persist_share_tma: float = 0.5
     persist_min_leaf_entries: int = 1 << 19
+    # -- planned KV tiles (block_n, num_warps, num_stages) and grid order
+    #: (:func:`~treeattn.plan.lower.build.build_plan`, PAT's tile selector, which the cost model
+    #: mirrors) items of more than ``short_item_tokens`` KV tokens take ``tile_long``, the others
+    #: ``tile_short``: short items waste less of a small tile, long ones pipeline deeper (measured
+    #: over the kernel suite). Heads wider than 128 take ``tile_long_head256`` for long items (a
+    #: 64-token tile of their K and V takes 64 KB of shared memory a stage in 16 bits)
+    short_item_tokens: int = 48
+    tile_short: tuple[int, int, int] = (32, 4, 2)
+    tile_long: tuple[int, int, int] = (64, 4, 3)
+    tile_long_head256: tuple[int, int, int] = (32, 4, 2)
+    #: launches whose items average this many KV tokens or more, each of one query tile, run a
+    #: unit's KV heads side by side in the grid (:attr:`~treeattn.plan.format.Launch.heads_inner`:
+    #: programs reading the same tokens share DRAM pages; the grid-order sweep's threshold, 1.004 /
+    #: 1.001 / 1.004x geomean at 32/32, 32/8, 64/8 heads)
+    heads_inner_min_tokens: int = 512
     # -- lowering tiles (block_n, num_warps, num_stages) and thresholds
     #: (:func:`~treeattn.plan.lower.addressing.contig_launches`) unmasked contig launches of the
     #: tallest query tiles over long KV tiles, up to this many waves of programs (the most
@@ -154,6 +169,11 @@ class DeviceProfile:
     #: 64-token KV tiles take ``tile_beside`` (1.004-1.026x at 64/8 on an H200)
     tile_beside: tuple[int, int, int] = (32, 4, 3)
     beside_min_group: int = 8
+
+    def long_tile(self, head_dim: int) -> tuple[int, int, int]:
+        """The KV tile of long items at ``head_dim``: ``tile_long``, ``tile_long_head256`` for heads
+        wider than 128."""
+        return self.tile_long if head_dim <= 128 else self.tile_long_head256
 
     def to_json(self, *, provenance: dict | None = None) -> str:
         """The profile as a JSON object (with a ``provenance`` object where given)."""
