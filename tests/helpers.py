@@ -1,4 +1,5 @@
-"""Shared test helpers: random trees, error metrics and the plan-coverage invariant."""
+"""Shared test helpers: random trees, error metrics, the plan-coverage invariant and the engine's
+leaves against transformers."""
 from __future__ import annotations
 
 import datetime
@@ -182,3 +183,17 @@ def save_tiny_llama(path, *, vocab: int = 256, seed: int = 0, tokenizer: bool = 
         tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
         tok.save(str(path / "tokenizer.json"))
     return hf
+
+
+def hf_last_logits(hf, tokens) -> torch.Tensor:
+    """A transformers model's logits after the last of ``tokens``."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0, -1]
+
+
+def check_leaves(hf, leaves, tol: float = 1e-4) -> None:
+    """Every leaf's logits (an engine run's result) equal ``hf``'s after its tokens within ``tol``."""
+    assert leaves
+    for leaf in leaves:
+        err = (hf_last_logits(hf, leaf["tokens"]) - leaf["logits"].cpu()).abs().max().item()
+        assert err <= tol, f"leaf {leaf['node']} ({len(leaf['tokens'])} tokens): max abs diff {err}"

@@ -10,6 +10,7 @@ from treeattn import STRATEGIES  # noqa: E402
 from treeattn.engine import (BeamSearchController, Callbacks, Sampler, SamplingController,  # noqa: E402
                              TreeEngine, TreeModel, periodic_branching)
 from treeattn.engine.workloads import SpeculativeReplayController, ToTReplayController  # noqa: E402
+from helpers import check_leaves, hf_last_logits  # noqa: E402
 
 TOL = 1e-4
 
@@ -39,18 +40,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tiny):
     return TreeModel.from_pretrained(tiny[1])
-
-
-def hf_last_logits(hf, tokens):
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0, -1]
-
-
-def check_leaves(hf, leaves):
-    assert leaves
-    for leaf in leaves:
-        err = (hf_last_logits(hf, leaf["tokens"]) - leaf["logits"].cpu()).abs().max().item()
-        assert err <= TOL, f"leaf {leaf['node']} ({len(leaf['tokens'])} tokens): max abs diff {err}"
 
 
 def test_prefill_logits_match_transformers(tiny, model):

@@ -275,9 +275,8 @@ class TreeEngine(SpeculativeSteps):
         w, plan_ms = self._win, 0.0
         if w is not None and w.left > 0 and w.nodes == tuple(nodes) and w.expect == own:
             self.planner.set_prefix(w.plan, np.asarray(own))
-        elif (w := self._take_ahead(nodes, own)) is not None:
-            self._win = w
-            plan_ms = self.planner.last_ms
+        elif (ahead := self._take_ahead(nodes, own)) is not None:
+            (w, plan_ms), self._win = ahead, ahead[0]
             self.planner.set_prefix(w.plan, np.asarray(own))
         else:
             self._close_window()
@@ -351,8 +350,9 @@ class TreeEngine(SpeculativeSteps):
         self._ahead = (nodes, own, h, job, _window_tokens(dtree))
         return True
 
-    def _take_ahead(self, nodes, own) -> Window | None:
-        """The window :meth:`plan_ahead` prepared, if it is the one this step starts."""
+    def _take_ahead(self, nodes, own) -> tuple | None:
+        """``(window, ms)``: the window :meth:`plan_ahead` prepared, if it is the one this step
+        starts, and the milliseconds this thread spent on it (waiting for it, uploading it)."""
         if self._ahead is None:
             return None
         want, expect, h, job, tokens = self._ahead
@@ -361,8 +361,7 @@ class TreeEngine(SpeculativeSteps):
         self._ahead = None
         t0 = time.perf_counter()
         plan = self.planner.to_device(job.result())
-        self.planner.last_ms = (time.perf_counter() - t0) * 1e3
-        return Window(want, plan, h, own, *tokens)
+        return Window(want, plan, h, own, *tokens), (time.perf_counter() - t0) * 1e3
 
     def _drop_ahead(self) -> None:
         """Forget the background window (its planning, if running, finishes unused)."""
