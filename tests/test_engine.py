@@ -331,6 +331,10 @@ def test_cuda_engine_matches_transformers(tiny, strategy, max_inflight):
                       max_new_tokens=16)
     assert ours["sequences"] == ref.tolist()
     eng.reset()
+    context, tail = list(range(3, 40)), [11, 12, 13, 14, 15]      # a prefill after cached tokens
+    node = eng.prefill_chain(eng.prefill_chain(None, [context])[-1], [tail])[-1]
+    assert (eng.logits_of(node).cpu() - hf_last_logits(hf, context + tail)).abs().max() <= TOL
+    eng.reset()
     assert eng.pool.num_free_pages == eng.pool.num_pages
 
 

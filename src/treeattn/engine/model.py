@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from treeattn.engine import fused
 from treeattn.engine.config import ModelConfig, load_config
@@ -47,6 +49,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+# SDPA's cuDNN backend builds an execution plan for every new (prompt, context) length: 0.1-1.5 s
+# at the first prefill of each length on an H200, so every new request paid it in its TTFT
+_PREFILL_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 class TreeModel:
@@ -263,10 +270,10 @@ class TreeModel:
         group = c.num_heads // c.num_kv_heads
         dev = self.device
         query = C + torch.arange(L, device=dev)
-        # per kind of layer: the slots of the keys it reads and the mask (None: causal) over them
+        # per kind of layer: the slots of the keys it reads and the mask over them; full layers
+        # take a lower-right causal bias, which SDPA runs with its flash kernel, not a dense mask
         full_slots = torch.cat((context_slots, slots))
-        full = (full_slots, None if not C else torch.arange(C + L, device=dev)[None, :] <= query[:, None])
-        kinds = {None: full}
+        kinds = {None: (full_slots, causal_lower_right(L, C + L))}
         if c.sliding_window is not None:
             # the first context token any query's window reaches: C - (W - 1)
             first = max(0, C - c.sliding_window + 1)
@@ -274,15 +281,15 @@ class TreeModel:
             win_mask = (key <= query[:, None]) & (key > query[:, None] - c.sliding_window)
             kinds[c.sliding_window] = (torch.cat((context_slots[first:], slots)), win_mask)
         h = self.embed(tokens)
-        for layer in range(c.num_layers):
-            q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
-            kc, vc = caches[layer]
-            key_slots, mask = kinds[c.layer_window(layer)]
-            k = kc.index_select(0, key_slots).repeat_interleave(group, dim=1)
-            v = vc.index_select(0, key_slots).repeat_interleave(group, dim=1)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], attn_mask=mask,
-                                               is_causal=mask is None, scale=c.sm_scale)
-            h = self.post_attention(layer, h, o[0].transpose(0, 1))
+        with sdpa_kernel(list(_PREFILL_BACKENDS)):
+            for layer in range(c.num_layers):
+                q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
+                kc, vc = caches[layer]
+                key_slots, mask = kinds[c.layer_window(layer)]
+                k = kc.index_select(0, key_slots).repeat_interleave(group, dim=1)
+                v = vc.index_select(0, key_slots).repeat_interleave(group, dim=1)
+                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                   v.transpose(0, 1)[None], attn_mask=mask, scale=c.sm_scale)
+                h = self.post_attention(layer, h, o[0].transpose(0, 1))
         out = self.logits(h if all_logits else h[-1:])
         return out if all_logits else out[0]
