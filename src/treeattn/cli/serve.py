@@ -10,7 +10,6 @@ import argparse
 import json
 import logging
 import os
-import time
 from pathlib import Path
 
 from treeattn import STRATEGIES
@@ -139,20 +138,16 @@ def serve_command(args) -> int:
     model = load_model(args)
     engine = TreeEngine(model, strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens,
                         window=args.window, cuda_graphs=False if args.no_cuda_graphs else None,
-                        keep_reserved=True, compile_workers=args.compile_workers)
+                        keep_reserved=True, compile_workers=args.compile_workers,
+                        graph_tokens=args.max_batch)
     limit = min(model.config.max_position_embeddings, args.kv_tokens)
     max_len = min(args.max_model_len, limit) if args.max_model_len else limit
     name = args.served_model_name or args.model or args.random_weights
     engine.precompile_kernels()   # (a no-op where the engine compiled at creation, as on a GPU)
     if engine.compiled_launches:
         log.info("compiled the attention kernels in %.1f s", engine.compile_s)
-    # capture every decode batch's CUDA graphs now: a capture (and the JIT of the kernels it
-    # meets) in the middle of serving stalls every running request for seconds
-    t0 = time.perf_counter()
-    engine.prepare_graphs(range(1, args.max_batch + 1))
-    if engine.graphs is not None:
-        log.info("captured the decode graphs for 1-%d sequences in %.1f s", args.max_batch,
-                 time.perf_counter() - t0)
+    # (the engine captured every decode batch's CUDA graphs at creation: a capture in the middle
+    # of serving stalls every running request)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
                           block_tokens=args.prefix_block, prefill_chunk=args.prefill_chunk,
                           overlap=not args.no_overlap)

@@ -118,7 +118,7 @@ class DecodeGraphs:
                 with torch.cuda.graph(g, pool=self._pool):
                     f()
                 graphs.append(g)
-        log.info("captured %d CUDA graphs for %d-token decode steps", len(graphs), m)
+        log.debug("captured %d CUDA graphs for %d-token decode steps", len(graphs), m)
         return graphs
 
     # ------------------------------------------------------------------ replay
