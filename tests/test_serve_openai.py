@@ -427,7 +427,7 @@ def test_sigterm_with_requests_in_flight_exits_within_the_grace_period(tiny):
             t.join(10)
         assert len(results) == 2          # every client got an answer or a closed connection
         out = proc.stdout.read().decode()
-        assert "Bearer k" not in out
+        assert "Bearer k" not in out and "Traceback" not in out
     finally:
         if proc.poll() is None:
             proc.kill()

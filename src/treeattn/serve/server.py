@@ -507,7 +507,9 @@ def run_server(scheduler: Scheduler, *, host: str, port: int, model_name: str, t
     app = create_app(scheduler, model_name=model_name, tokenizer=tokenizer, max_model_len=max_model_len,
                      chat_template=chat_template, api_key=api_key)
     scheduler.start()
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    # lifespan off: the app has no startup hooks, and uvicorn's re-raised SIGINT cancelled the
+    # lifespan task, which logged a traceback at every Ctrl-C
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                                     timeout_graceful_shutdown=shutdown_grace), _lifecycle_of(app))
     try:
         server.run()
