@@ -163,16 +163,16 @@ def scratch_medusa(size: int, ctx: int, scratch: int) -> DecodingTree:
                                      query_prefix=base.query_prefix)
 
 
-def save_tiny_llama(path, *, vocab: int = 256, seed: int = 0, tokenizer: bool = False):
+def save_tiny_llama(path, *, vocab: int = 256, seed: int = 0, tokenizer: bool = False, **config):
     """A tiny random transformers Llama (2 layers, hidden 64, 4 query / 1 KV heads, no EOS) saved in
-    ``path``, with a word-level ``tokenizer.json`` of tokens ``t0 .. t{vocab-1}`` when asked.
-    Returns the transformers model."""
+    ``path``, with a word-level ``tokenizer.json`` of tokens ``t0 .. t{vocab-1}`` when asked;
+    ``config``: other ``LlamaConfig`` values. Returns the transformers model."""
     import transformers
 
-    cfg = transformers.LlamaConfig(
+    cfg = transformers.LlamaConfig(**{**dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
-        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False), **config})
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     hf.save_pretrained(path, safe_serialization=True)

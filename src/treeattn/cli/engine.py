@@ -20,7 +20,8 @@ from treeattn.engine.engine import TreeEngine
 from treeattn.engine.model import TreeModel
 from treeattn.cli.args import (add_log_level, device_arg, error, existing_dir, nonnegative_int, positive_float,
                                positive_int, prepare_output, probability, strategies_arg)
-from treeattn.engine.config import PRESETS
+from treeattn.engine.config import PRESETS, ModelConfig, load_config
+from treeattn.engine.parallel import TensorParallel
 from treeattn.engine.workloads import WORKLOADS, WorkloadSpec, build_workload
 
 __all__ = ["add_run_parser", "add_bench_e2e_parser", "add_model_args", "load_model"]
@@ -96,8 +97,11 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", default=None, help="write the result and per-step stats here")
     p.add_argument("--dump-logits", action="store_true", help="sample / fewshot: last logits of every leaf")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--world-size", type=positive_int, default=1,
-                   help="ranks sharding the KV along the sequence (start with torchrun --nproc-per-node N)")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: heads, MLP and vocabulary split over them (default: 1)")
+    p.add_argument("--sp", type=positive_int, default=1,
+                   help="ranks sharding the KV along the sequence, each holding --tp ranks (default: 1); "
+                        "start TP x SP processes with torchrun --nproc-per-node TP*SP")
     p.set_defaults(func=run_command)
     return p
 
@@ -150,13 +154,14 @@ def _steps_arg(text: str) -> int | None:
 
 
 # ---------------------------------------------------------------------- helpers
-def load_model(args) -> TreeModel:
+def load_model(args, tp=None) -> TreeModel:
+    """The model of ``--model`` / ``--random-weights``; ``tp``: this rank's tensor-parallel share."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.float32 if device.type == "cpu" else torch.bfloat16)
     fused = False if getattr(args, "no_fused_layers", False) else None
     if args.model:
-        return TreeModel.from_pretrained(args.model, device=device, dtype=dtype, fused=fused)
-    return TreeModel.random(args.random_weights, device=device, dtype=dtype, seed=args.seed, fused=fused)
+        return TreeModel.from_pretrained(args.model, device=device, dtype=dtype, fused=fused, tp=tp)
+    return TreeModel.random(args.random_weights, device=device, dtype=dtype, seed=args.seed, fused=fused, tp=tp)
 
 
 def _engine_kw(args) -> dict:
@@ -165,16 +170,18 @@ def _engine_kw(args) -> dict:
             "pdl": False if args.no_pdl else None, "compile_workers": args.compile_workers}
 
 
-def _init_ranks(args) -> tuple[int, int]:
-    """``(rank, world)`` for ``--world-size`` (initialises torch.distributed under torchrun)."""
-    n = getattr(args, "world_size", 1)
-    if n < 1:
-        raise ValueError(f"--world-size must be >= 1, got {n}")
-    if n > 1 and args.workload.startswith("speculative"):
-        raise ValueError("--world-size > 1 does not support the speculative workloads")
-    from treeattn.engine.sharded import init_distributed
+def _init_ranks(args):
+    """This process's :class:`~treeattn.engine.parallel.Grid` for ``--tp`` / ``--sp``
+    (initialises torch.distributed under torchrun)."""
+    from treeattn.engine.parallel import init_grid
+
+    if args.sp > 1 and args.workload.startswith("speculative"):
+        raise ValueError("--sp > 1 does not support the speculative workloads")
+    if args.tp > 1:
+        cfg = load_config(args.model) if args.model else ModelConfig.preset(args.random_weights)
+        TensorParallel(0, args.tp).check(cfg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_distributed(n, device)
+    return init_grid(args.tp, args.sp, device)
 
 
 def _prompt_ids(args) -> list:
@@ -307,8 +314,8 @@ def run_command(args) -> int:
     try:
         check_run_args(args)
         prepare_output(args.json, "--json")
-        rank, world = _init_ranks(args)
-        model = load_model(args)
+        grid = _init_ranks(args)
+        model = load_model(args, tp=grid.tp)
         prompts = _prompts(args, model)
         _check_positions(args, model, prompts)
         spec = WorkloadSpec(
@@ -324,13 +331,13 @@ def run_command(args) -> int:
         return error("treeattn run", e)
     steps = min(total, args.steps) if args.steps else total
     kw = dict(strategy=args.strategy, synchronize=model.device.type == "cuda", **_engine_kw(args))
-    if world > 1:
+    if grid.sp_group is not None:
         from treeattn.engine.sharded import ShardedTreeEngine
-        engine = ShardedTreeEngine(model, **kw)
+        engine = ShardedTreeEngine(model, group=grid.sp_group, **kw)
     else:
         engine = TreeEngine(model, **kw)
     engine.prepare_graphs(controller.query_counts())
-    bar = tqdm(total=steps, disable=args.quiet or rank != 0, unit="step", file=sys.stderr)
+    bar = tqdm(total=steps, disable=args.quiet or grid.rank != 0, unit="step", file=sys.stderr)
     clock = {"t": time.perf_counter()}
     walls = []
 
@@ -364,12 +371,12 @@ def run_command(args) -> int:
         "per_step": [dict(s.as_dict(), wall_ms=w) for s, w in zip(engine.stats, walls)],
         **_jsonable(result, args.dump_logits, model.tokenizer),
     }
-    if world > 1:
-        out["world_size"] = world
+    if grid.world > 1:
+        out.update(world_size=grid.world, tp=args.tp, sp=args.sp)
     engine.reset()
-    if world > 1:
+    if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    if rank != 0:
+    if grid.rank != 0:
         return 0
     print_generated(result, controller, model.tokenizer)
     print(f"{args.workload}: {out['steps']} steps in {wall:.2f} s ({out['mean_step_ms']:.2f} ms/step), "

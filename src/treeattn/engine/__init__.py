@@ -21,6 +21,7 @@ from treeattn.engine.engine import TreeEngine
 from treeattn.engine.generate import BeamSearchOutput, GenerationOutput, SampleOutput
 from treeattn.engine.node_slots import KVCacheManager
 from treeattn.engine.model import TreeModel
+from treeattn.engine.parallel import TensorParallel
 from treeattn.engine.sampling import Sampler
 from treeattn.engine.step import StepStats
 from treeattn.engine.tree_manager import Result, SequenceTree
@@ -30,6 +31,7 @@ from treeattn.engine.workloads import (WORKLOADS, BestOfNController, Speculative
 __all__ = [
     "PRESETS", "WORKLOADS", "BeamSearchController", "BeamSearchOutput", "BestOfNController", "BranchController",
     "Callbacks", "GenerationOutput", "KVCacheManager", "ModelConfig", "Result", "SampleOutput", "Sampler",
-    "SamplingController", "SequenceTree", "SpeculativeReplayController", "StepStats", "ToTReplayController",
-    "TreeEngine", "TreeModel", "WorkloadSpec", "build_workload", "load_config", "periodic_branching",
+    "SamplingController", "SequenceTree", "SpeculativeReplayController", "StepStats", "TensorParallel",
+    "ToTReplayController", "TreeEngine", "TreeModel", "WorkloadSpec", "build_workload", "load_config",
+    "periodic_branching",
 ]

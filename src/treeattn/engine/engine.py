@@ -57,7 +57,8 @@ class TreeEngine(SpeculativeSteps):
     backend : {"auto", "triton", "torch"}
         TreeAttention backend ("auto": Triton on CUDA, PyTorch on CPU).
     cuda_graphs : bool, optional
-        Piecewise CUDA graphs for the non-attention part (default: on for CUDA).
+        Piecewise CUDA graphs for the non-attention part (default: on for CUDA; always off for a
+        tensor-parallel model).
     window : int
         Longest decode window (steps planned at once when the controller promises a fixed set
         of leaves); 1 plans every step.
@@ -103,7 +104,7 @@ class TreeEngine(SpeculativeSteps):
                  graph_tokens: int = 128):
         c = model.config
         self.model, self.device = model, model.device
-        self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, c.num_kv_heads, c.head_dim,
+        self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, model.num_kv_heads, c.head_dim,
                            num_layers=c.num_layers, dtype=model.dtype, device=model.device)
         self.kv = KVCacheManager(self.pool)
         self.tree = SequenceTree(self.kv)
@@ -115,7 +116,7 @@ class TreeEngine(SpeculativeSteps):
         # replays (benchmarks/attention_graph_cost.py), and the engine drops one every step
         self.attention = TreeAttention(device=model.device, backend=backend, streams=0, pdl=pdl)
         # (its cost model rates launches one after another without PDL, overlapping with it)
-        heads = HeadConfig(c.num_heads, c.num_kv_heads, c.head_dim, model.dtype)
+        heads = HeadConfig(model.num_heads, model.num_kv_heads, c.head_dim, model.dtype)
         self.planner = StepPlanner(heads, strategy=strategy, device=model.device, auto_refresh=auto_refresh,
                                    cost=self.attention.cost)
         # the planning thread's own planner (:meth:`plan_ahead`): a step never waits for it
@@ -129,6 +130,8 @@ class TreeEngine(SpeculativeSteps):
             heads, strategy=strategy, device=model.device, auto_refresh=auto_refresh, cost=self.attention.cost)
         model.ensure_positions(min(c.max_position_embeddings, self.pool.num_slots))
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # a tensor-parallel model's collectives are not captured: it runs eagerly
+        use_graphs = use_graphs and model.tp is None
         self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
         self._attn_graph = None
         if self.graphs is not None and self.attention.backend == "triton" and self.kv.layer_stride is not None:

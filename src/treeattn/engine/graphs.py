@@ -69,8 +69,8 @@ class DecodeGraphs:
             "tok": torch.zeros(m, dtype=torch.int64, device=dev),
             "meta": torch.zeros(2 * m, dtype=torch.int64, device=dev),
             "h": torch.zeros(m, c.hidden_size, dtype=dt, device=dev),
-            "q": torch.zeros(m, c.num_heads, c.head_dim, dtype=dt, device=dev),
-            "o": torch.zeros(m, c.num_heads, c.head_dim, dtype=dt, device=dev),
+            "q": torch.zeros(m, self.model.num_heads, c.head_dim, dtype=dt, device=dev),
+            "o": torch.zeros(m, self.model.num_heads, c.head_dim, dtype=dt, device=dev),
             "logits": torch.zeros(m, c.vocab_size, dtype=torch.float32, device=dev),
         }
 

@@ -10,6 +10,11 @@ in CUDA graphs (:mod:`treeattn.engine.graphs`). On CUDA the elementwise parts of
 fused Triton kernels (:mod:`treeattn.engine.fused`: RMSNorm with the residual add, RoPE of q and k
 with the K/V cache write, SwiGLU); the PyTorch code here is the reference and the CPU path, and
 runs the parts the kernels do not cover (per-head q/k norms, Gemma's norms and GeGLU).
+
+With a :class:`~treeattn.engine.parallel.TensorParallel` the model is this rank's share of a
+tensor-parallel model (its heads, intermediate features and vocabulary slice): the o and down
+projections are each followed by an all-reduce, the embedding by one, and the logits are
+all-gathered; without one nothing else runs.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from treeattn.engine import fused
 from treeattn.engine.config import ModelConfig, load_config
+from treeattn.engine.parallel import TensorParallel
 from treeattn.engine.weights import Weights, load_weights, random_weights
 
 __all__ = ["TreeModel", "rms_norm", "gemma_rms_norm", "apply_rope"]
@@ -71,6 +77,17 @@ class TreeModel:
         Run the elementwise parts as fused Triton kernels (:mod:`treeattn.engine.fused`); default:
         on CUDA. On CPU they need Triton's interpreter (``TRITON_INTERPRET=1``). Can be changed
         later through the ``fused`` attribute. Gemma's norms and GeGLU always run in PyTorch.
+    tp : TensorParallel, optional
+        This rank's place in a tensor-parallel group; ``weights`` are then its share
+        (:func:`~treeattn.engine.weights.load_weights` with ``tp``), and every call of the
+        pieces below is collective over the group.
+
+    Attributes
+    ----------
+    num_heads, num_kv_heads : int
+        The query and KV heads this model computes (all of them, or a TP rank's share).
+    q_size, kv_size : int
+        ``num_heads * head_dim`` and ``num_kv_heads * head_dim``.
 
     Notes
     -----
@@ -81,8 +98,20 @@ class TreeModel:
     """
 
     def __init__(self, config: ModelConfig, weights: Weights, *, device="cpu", dtype=torch.float32,
-                 fused: bool | None = None):
+                 fused: bool | None = None, tp: TensorParallel | None = None):
+        parts = 1
+        if tp is not None:
+            tp.check(config)
+            parts = tp.size
         self.config = config
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = config.num_heads // parts, config.num_kv_heads // parts
+        self.q_size, self.kv_size = self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
+        rows = weights.layers[0].qkv.shape[0]
+        if rows != self.q_size + 2 * self.kv_size:
+            raise ValueError(f"weights: the q/k/v projection has {rows} rows, but {self.num_heads} query and "
+                             f"{self.num_kv_heads} KV heads of {config.head_dim} need "
+                             f"{self.q_size + 2 * self.kv_size} (weights of another tensor-parallel split?)")
         self.weights = weights
         self.device = torch.device(device)
         self.dtype = dtype
@@ -100,24 +129,26 @@ class TreeModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, model_dir, *, device="cpu", dtype=torch.float32,
-                        fused: bool | None = None) -> "TreeModel":
-        """Load a Hugging Face model directory (config.json + safetensors; tokenizer.json if any)."""
+                        fused: bool | None = None, tp: TensorParallel | None = None) -> "TreeModel":
+        """Load a Hugging Face model directory (config.json + safetensors; tokenizer.json if any);
+        with ``tp``, only this rank's share of the weights."""
         from treeattn.engine.weights import load_tokenizer
 
         config = load_config(model_dir)
-        model = cls(config, load_weights(model_dir, config, device=device, dtype=dtype), device=device,
-                    dtype=dtype, fused=fused)
+        model = cls(config, load_weights(model_dir, config, device=device, dtype=dtype, tp=tp), device=device,
+                    dtype=dtype, fused=fused, tp=tp)
         model.tokenizer = load_tokenizer(model_dir)
         return model
 
     @classmethod
     def random(cls, config, *, device="cpu", dtype=torch.float32, seed: int = 0,
-               std: float = 0.02, fused: bool | None = None) -> "TreeModel":
-        """Random weights of a preset name (``"tiny"``, ``"llama3-8b"``) or a :class:`ModelConfig`."""
+               std: float = 0.02, fused: bool | None = None, tp: TensorParallel | None = None) -> "TreeModel":
+        """Random weights of a preset name (``"tiny"``, ``"llama3-8b"``) or a :class:`ModelConfig`;
+        with ``tp``, this rank's share of the same seed's weights."""
         if isinstance(config, str):
             config = ModelConfig.preset(config)
-        return cls(config, random_weights(config, device=device, dtype=dtype, seed=seed, std=std),
-                   device=device, dtype=dtype, fused=fused)
+        return cls(config, random_weights(config, device=device, dtype=dtype, seed=seed, std=std, tp=tp),
+                   device=device, dtype=dtype, fused=fused, tp=tp)
 
     # ------------------------------------------------------------------ pieces
     def ensure_positions(self, n: int) -> None:
@@ -142,7 +173,10 @@ class TreeModel:
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens`` int64 ``[n]`` -> hidden states ``[n, hidden]``."""
-        e = self.weights.embed.index_select(0, tokens)
+        if self.tp is None:
+            e = self.weights.embed.index_select(0, tokens)
+        else:
+            e = self.tp.embed(self.weights.embed, tokens)
         return e if self._embed_scale is None else e * self._embed_scale
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -155,11 +189,11 @@ class TreeModel:
     def _qk_norm(self, qkv: torch.Tensor, w) -> torch.Tensor:
         """``qkv [n, q + 2 kv]`` with every query and key head RMS-normed (Qwen3, Gemma 3)."""
         c, n = self.config, qkv.shape[0]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         norm = gemma_rms_norm if c.gemma else rms_norm
-        q = norm(q.reshape(n, c.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)
-        k = norm(k.reshape(n, c.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
-        return torch.cat((q.reshape(n, c.q_size), k.reshape(n, c.kv_size), v), dim=-1)
+        q = norm(q.reshape(n, self.num_heads, c.head_dim), w.q_norm, c.rms_norm_eps)
+        k = norm(k.reshape(n, self.num_kv_heads, c.head_dim), w.k_norm, c.rms_norm_eps)
+        return torch.cat((q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v), dim=-1)
 
     def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       caches, *, q_out: torch.Tensor | None = None
@@ -177,13 +211,13 @@ class TreeModel:
         if c.qk_norm:
             qkv = self._qk_norm(qkv, w)
         if self.fused:
-            return fused.rope_qkv_cache(qkv, cos, sin, positions, slots, kc, vc, c.num_heads,
-                                        c.num_kv_heads, c.head_dim, q_out=q_out)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            return fused.rope_qkv_cache(qkv, cos, sin, positions, slots, kc, vc, self.num_heads,
+                                        self.num_kv_heads, c.head_dim, q_out=q_out)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
-        q = apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(n, c.num_kv_heads, c.head_dim)
+        q = apply_rope(q.view(n, self.num_heads, c.head_dim), cos, sin)
+        k = apply_rope(k.view(n, self.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, c.head_dim)
         kc.index_copy_(0, slots, k)
         vc.index_copy_(0, slots, v)
         if q_out is not None:
@@ -198,7 +232,9 @@ class TreeModel:
         Fused (Llama-like layers): 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add);
         unfused: about 15."""
         c, w = self.config, self.weights.layers[layer]
-        a = F.linear(o.reshape(h.shape[0], c.q_size), w.o, w.o_bias)
+        a = F.linear(o.reshape(h.shape[0], self.q_size), w.o, w.o_bias)
+        if self.tp is not None:
+            self.tp.all_reduce(a)
         if c.gemma:
             h = h + gemma_rms_norm(a, w.attn_out_norm, c.rms_norm_eps)
             d = self._mlp(gemma_rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
@@ -208,6 +244,8 @@ class TreeModel:
             h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
             act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
             d = F.linear(act, w.down, w.down_bias)
+            if self.tp is not None:
+                self.tp.all_reduce(d)
             return torch.add(h, d, out=out) if out is not None else h.add_(d)
         h = h + a
         h = h + self._mlp(rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
@@ -217,11 +255,14 @@ class TreeModel:
         """The gated MLP of ``x [n, hidden]``: SwiGLU, or GeGLU with tanh-approximated GELU."""
         gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
         act = F.silu(gate) if self.config.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        return F.linear(act * up, w.down, w.down_bias)
+        d = F.linear(act * up, w.down, w.down_bias)
+        return d if self.tp is None else self.tp.all_reduce(d)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]``."""
-        return F.linear(self._norm(h, self.weights.norm), self.weights.lm_head).float()
+        """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]`` (a TP rank's
+        vocabulary slices all-gathered)."""
+        out = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head).float()
+        return out if self.tp is None else self.tp.gather(out)
 
     # ------------------------------------------------------------------ passes
     @torch.no_grad()

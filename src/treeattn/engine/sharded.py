@@ -1,9 +1,9 @@
 """Sequence-sharded KV decoding: :class:`ShardedTreeEngine`, one per rank of a
-``torch.distributed`` group (``treeattn run --world-size N`` under ``torchrun``).
+``torch.distributed`` group (``treeattn run --sp N`` under ``torchrun``).
 
-Every rank runs the whole model redundantly (replicated weights, the same inputs, the same
-sampler seed, so every rank picks the same tokens); only the KV cache is sharded along the
-sequence. A token at position ``p`` of a sequence is *owned* by rank ``(p // block) % world``
+Every rank of the group runs the same model (the whole model, or the same tensor-parallel share
+of it: :mod:`treeattn.engine.parallel`) on the same inputs with the same sampler seed, so every
+rank picks the same tokens; only the KV cache is sharded along the sequence. A token at position ``p`` of a sequence is *owned* by rank ``(p // block) % world``
 (block-cyclic, ``block`` defaults to the page size), and only its owner stores its K/V: each
 rank's :class:`~treeattn.KVPool` holds about ``1 / world`` of the tree's tokens. Tokens a rank
 does not own are written to one throw-away slot.
@@ -19,7 +19,6 @@ verification (:meth:`ShardedTreeEngine.verify` raises).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -33,7 +32,7 @@ from treeattn.engine.node_slots import KVCacheManager
 from treeattn.engine.planning import upload
 from treeattn.engine.tree_manager import SequenceTree
 
-__all__ = ["ShardedKVCacheManager", "ShardedTreeEngine", "init_distributed"]
+__all__ = ["ShardedKVCacheManager", "ShardedTreeEngine"]
 
 
 class ShardedKVCacheManager(KVCacheManager):
@@ -116,14 +115,18 @@ class ShardedTreeEngine(TreeEngine):
     """:class:`~treeattn.engine.TreeEngine` whose KV is sequence-sharded over a process group.
 
     Collective: every rank of ``group`` drives the same controller with the same seed, and every
-    decode / prefill step runs two all-reduces per layer.
+    decode / prefill step runs two all-reduces per layer over ``group`` (and a tensor-parallel
+    model's own collectives over its TP group).
 
     Parameters
     ----------
     model : TreeModel
-        The full model, on every rank.
+        The full model on every rank of ``group``, or, in a TP x SP grid
+        (:func:`~treeattn.engine.parallel.make_grid`), the same TP share on every rank of
+        ``group`` (its SP group).
     group : ProcessGroup, optional
-        Default: the world (``torch.distributed`` must be initialised).
+        The ranks that share the sequence. Default: the world (``torch.distributed`` must be
+        initialised).
     block : int, optional
         Positions per ownership block (default: ``page_size``).
     **kw
@@ -204,7 +207,8 @@ class ShardedTreeEngine(TreeEngine):
         c = self.model.config
         t1 = time.perf_counter()
         self._lplan = plan_local(self.attention, parents, lengths, query_nodes=qn, query_prefix=lengths[qn],
-                                 num_qo_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                 num_qo_heads=self.model.num_heads, num_kv_heads=self.model.num_kv_heads,
+                                 head_dim=c.head_dim,
                                  dtype=self.model.dtype, strategy=self.strategy, kv_indices=kv,
                                  page_size=self.pool.page_size, num_slots=self.pool.num_slots)
         plan_ms = (time.perf_counter() - t1) * 1e3
@@ -241,29 +245,3 @@ class ShardedTreeEngine(TreeEngine):
     def prepare_graphs(self, counts) -> None:
         """No CUDA graphs in sharded mode."""
 
-
-def init_distributed(world_size: int, device_type: str) -> tuple[int, int]:
-    """Initialise ``torch.distributed`` from torchrun's environment for ``--world-size N``.
-
-    Returns ``(rank, world)``; ``(0, 1)`` without initialising anything when ``world_size`` is 1
-    and the process was not started by torchrun.
-
-    Raises
-    ------
-    ValueError
-        ``world_size > 1`` outside torchrun, or a ``WORLD_SIZE`` that disagrees.
-    """
-    env_world = os.environ.get("WORLD_SIZE")
-    if env_world is None or "RANK" not in os.environ:
-        if world_size > 1:
-            raise ValueError(f"--world-size {world_size} needs torchrun: "
-                             f"torchrun --nproc-per-node {world_size} -m treeattn.cli run ...")
-        return 0, 1
-    if int(env_world) != world_size:
-        raise ValueError(f"--world-size {world_size} but torchrun started {env_world} processes")
-    if not dist.is_initialized():
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size()

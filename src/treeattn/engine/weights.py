@@ -4,6 +4,10 @@ shape built directly on the target device, and the tokenizer of a model director
 The q/k/v projections are fused into one ``[q + 2 kv, hidden]`` matrix and gate/up into one
 ``[2 intermediate, hidden]`` matrix at load time. Gemma's RMSNorm weights ``w`` are stored as the
 float32 factors ``1 + w`` its norms multiply by.
+
+Under tensor parallelism (a :class:`~treeattn.engine.parallel.TensorParallel`) a rank reads only
+its share of each matrix from the safetensors files (``get_slice``), so no rank ever holds the
+whole model: see :mod:`treeattn.engine.parallel` for the layout.
 """
 from __future__ import annotations
 
@@ -24,6 +28,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class LayerWeights:
     """One decoder layer; matrices are ``[out_features, in_features]`` like ``nn.Linear``.
+
+    The shapes below are the whole model's; each rank of a tensor-parallel group of ``T`` holds
+    ``1 / T`` of the heads in ``qkv`` (of q, k and v each) and ``o``'s matching columns, ``1 / T``
+    of the intermediate features in ``gate_up`` (of gate and up each) and ``down``'s matching
+    columns, and ``o_bias`` and ``down_bias`` on TP rank 0 only (None elsewhere).
 
     Attributes
     ----------
@@ -70,7 +79,8 @@ _NORM_KEYS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_out_norm", "mlp
 @dataclass
 class Weights:
     """All weights: ``embed [vocab, hidden]``, ``layers``, ``norm [hidden]``, ``lm_head [vocab, hidden]``
-    (the embedding itself when tied)."""
+    (the embedding itself when tied). Each rank of a tensor-parallel group of ``T`` holds
+    ``vocab / T`` rows of ``embed`` and ``lm_head``: its slice of the vocabulary."""
 
     embed: torch.Tensor
     layers: list
@@ -156,7 +166,29 @@ def _checkpoint_files(path: Path) -> dict:
     return names
 
 
-def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.float32) -> Weights:
+def _tp_parts(config: ModelConfig, tp, prefix: str, head_prefix: str) -> dict:
+    """The part of each split checkpoint tensor a tensor-parallel rank reads, as an index of its
+    ``get_slice``: rows of the column-parallel matrices (q/k/v, gate/up, their biases, the
+    embedding and the LM head), columns of the row-parallel ones (o, down). Tensors not named
+    here are read whole."""
+    def rows(n):
+        return (tp.part(n),)
+
+    def cols(n):
+        return (slice(None), tp.part(n))
+
+    q, kv, i, vocab = config.q_size, config.kv_size, config.intermediate_size, config.vocab_size
+    per = {"q": rows(q), "k": rows(kv), "v": rows(kv), "qb": rows(q), "kb": rows(kv), "vb": rows(kv),
+           "o": cols(q), "gate": rows(i), "up": rows(i), "gateb": rows(i), "upb": rows(i), "down": cols(i)}
+    parts = {f"{prefix}embed_tokens.weight": rows(vocab), f"{head_prefix}lm_head.weight": rows(vocab)}
+    for layer in range(config.num_layers):
+        for key, name in _hf_names(config, layer, prefix).items():
+            if key in per:
+                parts[name] = per[key]
+    return parts
+
+
+def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.float32, tp=None) -> Weights:
     """Read the weights of a Hugging Face model directory with safetensors.
 
     Parameters
@@ -168,16 +200,21 @@ def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.fl
         Tensors are loaded directly onto it.
     dtype : torch.dtype
         Every tensor is cast to it.
+    tp : TensorParallel, optional
+        Read only this tensor-parallel rank's share (:mod:`treeattn.engine.parallel`).
 
     Raises
     ------
     FileNotFoundError
         No safetensors file, or a shard named by the index is missing.
     ValueError
-        Only pickled checkpoints, a missing tensor or a tensor of the wrong shape.
+        Only pickled checkpoints, a missing tensor or a tensor of the wrong shape; a model that
+        does not split over ``tp`` (checked before anything is read).
     """
     from safetensors import safe_open
 
+    if tp is not None:
+        tp.check(config)
     path = Path(model_dir)
     where = _checkpoint_files(path)
     prefix, head_prefix = _prefixes(config, where)
@@ -186,22 +223,29 @@ def load_weights(model_dir, config: ModelConfig, *, device="cpu", dtype=torch.fl
     if missing:
         raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensor(s) the {config.arch} config "
                          f"needs, e.g. {missing[:3]}")
+    parts = _tp_parts(config, tp, prefix, head_prefix) if tp is not None else {}
+    # the row-parallel biases are added once, by TP rank 0
+    skip = {n for i in range(config.num_layers) for k, n in _hf_names(config, i, prefix).items()
+            if k in ("ob", "downb")} if tp is not None and tp.rank else set()
     tensors, dev = {}, str(torch.device(device))
     for f in sorted(set(where[n] for n in shapes)):
         with safe_open(str(f), framework="pt", device=dev) as sf:
-            for name in (n for n in shapes if where[n] == f):
-                t = sf.get_tensor(name)
-                if tuple(t.shape) != shapes[name]:
-                    raise ValueError(f"{f.name}: tensor {name} has shape {tuple(t.shape)} but the config "
-                                     f"implies {shapes[name]}")
-                tensors[name] = t.to(dtype)
+            for name in (n for n in shapes if where[n] == f and n not in skip):
+                sl = sf.get_slice(name)
+                if tuple(sl.get_shape()) != shapes[name]:
+                    raise ValueError(f"{f.name}: tensor {name} has shape {tuple(sl.get_shape())} but the "
+                                     f"config implies {shapes[name]}")
+                if name in parts:
+                    tensors[name] = sl[parts[name]].to(device=dev, dtype=dtype).contiguous()
+                else:
+                    tensors[name] = sf.get_tensor(name).to(dtype)
     extra = len(where) - len(shapes)
     if extra > 0:
         log.debug("%s: ignoring %d tensors the model does not use", path, extra)
     norm = _gemma_norm if config.gemma else (lambda w: w)
     layers = []
     for i in range(config.num_layers):
-        n = {k: tensors.pop(v) for k, v in _hf_names(config, i, prefix).items()}
+        n = {k: tensors.pop(v) for k, v in _hf_names(config, i, prefix).items() if v in tensors}
         layers.append(LayerWeights(
             qkv=torch.cat([n["q"], n["k"], n["v"]]).contiguous(),
             qkv_bias=torch.cat([n["qb"], n["kb"], n["vb"]]) if config.qkv_bias else None,
@@ -221,12 +265,16 @@ def _gemma_norm(w: torch.Tensor) -> torch.Tensor:
 
 
 def random_weights(config: ModelConfig, *, device="cpu", dtype=torch.float32, seed: int = 0,
-                   std: float = 0.02) -> Weights:
+                   std: float = 0.02, tp=None) -> Weights:
     """Random weights of ``config``'s shape, drawn on ``device`` (no host copy; 8B in bf16 = 16 GB).
 
     Matrices are normal(0, ``std``), norms are the identity (ones; Gemma's float32 ``1 + 0``),
-    biases zeros.
+    biases zeros. With ``tp`` (a :class:`~treeattn.engine.parallel.TensorParallel`) the rank
+    keeps its share of each matrix: every matrix is drawn whole, one at a time, and cut, so the
+    shares are those of the same seed's unsplit weights.
     """
+    if tp is not None:
+        tp.check(config)
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -239,17 +287,29 @@ def random_weights(config: ModelConfig, *, device="cpu", dtype=torch.float32, se
     def ones(n, on=True):
         return torch.ones(n, device=device, dtype=torch.float32 if config.gemma else dtype) if on else None
 
+    def rows(t, sizes):
+        """This rank's rows of each block of a column-parallel ``t`` (blocks of ``sizes`` rows)."""
+        if tp is None or t is None:
+            return t
+        return torch.cat([b[tp.part(b.shape[0])] for b in t.split(sizes)])
+
+    def cols(t):
+        """This rank's columns of a row-parallel ``t``."""
+        return t if tp is None else t[:, tp.part(t.shape[1])].contiguous()
+
     h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
     d = config.head_dim
+    first = tp is None or tp.rank == 0      # the row-parallel biases live on TP rank 0
     layers = [LayerWeights(
-        qkv=mat(q + 2 * kv, h), qkv_bias=bias(q + 2 * kv, config.qkv_bias), o=mat(h, q),
-        o_bias=bias(h, config.o_bias), gate_up=mat(2 * i, h), gate_up_bias=bias(2 * i, config.mlp_bias),
-        down=mat(h, i), down_bias=bias(h, config.mlp_bias), attn_norm=ones(h), mlp_norm=ones(h),
-        q_norm=ones(d, config.qk_norm), k_norm=ones(d, config.qk_norm),
+        qkv=rows(mat(q + 2 * kv, h), (q, kv, kv)), qkv_bias=rows(bias(q + 2 * kv, config.qkv_bias), (q, kv, kv)),
+        o=cols(mat(h, q)), o_bias=bias(h, config.o_bias and first),
+        gate_up=rows(mat(2 * i, h), (i, i)), gate_up_bias=rows(bias(2 * i, config.mlp_bias), (i, i)),
+        down=cols(mat(h, i)), down_bias=bias(h, config.mlp_bias and first), attn_norm=ones(h),
+        mlp_norm=ones(h), q_norm=ones(d, config.qk_norm), k_norm=ones(d, config.qk_norm),
         attn_out_norm=ones(h, config.gemma), mlp_out_norm=ones(h, config.gemma))
         for _ in range(config.num_layers)]
-    embed = mat(config.vocab_size, h)
-    head = embed if config.tie_word_embeddings else mat(config.vocab_size, h)
+    embed = rows(mat(config.vocab_size, h), (config.vocab_size,))
+    head = embed if config.tie_word_embeddings else rows(mat(config.vocab_size, h), (config.vocab_size,))
     return Weights(embed=embed, layers=layers, norm=ones(h), lm_head=head)
 
 
