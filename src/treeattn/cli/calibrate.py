@@ -69,8 +69,8 @@ def _constants_arg(text: str) -> tuple:
     floats = [f.name for f in dataclasses.fields(DeviceProfile) if f.type == "float" and getattr(H200, f.name) > 0]
     bad = [n for n in names if n not in floats]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"not refittable: {', '.join(bad) or '(none given)'}; expected "
-                                         f"comma-separated positive float constants of the profile: {', '.join(floats)}")
+        raise argparse.ArgumentTypeError(f"not refittable: {', '.join(bad) or '(none given)'}; expected comma-"
+                                         f"separated positive float constants of the profile: {', '.join(floats)}")
     return names
 
 
