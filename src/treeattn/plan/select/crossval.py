@@ -33,7 +33,7 @@ from treeattn.plan.select.profiles import BUILTIN_PROFILES, FITTED_CONSTANTS, H2
 from treeattn.tree import DecodingTree
 from treeattn.tree.families import tree_by_name, tree_family
 
-__all__ = ["TimedCase", "timed_cases", "choose", "cross_validate", "HIT", "OBJECTIVES"]
+__all__ = ["TimedCase", "timed_cases", "run_cost", "choose", "cross_validate", "HIT", "OBJECTIVES"]
 
 #: a choice within this ratio of the fastest plan counts as a hit
 HIT = 1.05
