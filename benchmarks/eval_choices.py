@@ -23,7 +23,7 @@ import numpy as np
 
 from treeattn.plan import CostModel, HeadConfig, make_plan
 from treeattn.plan.select.profiles import H200, DeviceProfile
-from treeattn.tree import tree_from_spec
+from treeattn.tree import tree_by_name
 
 HIT = 1.05
 HEAD_DIM = 128
@@ -35,7 +35,7 @@ def evaluate(rows: list, cost: CostModel) -> tuple[list, dict]:
     choices, errors = [], {}
     for r in rows:
         heads = HeadConfig(r["hq"], r["hkv"], HEAD_DIM)
-        plan = make_plan(tree_from_spec(r["tree"]), heads, strategy="auto", cost=cost)
+        plan = make_plan(tree_by_name(r["tree"]), heads, strategy="auto", cost=cost)
         measured = {s: t for s, t in r["graph_us"].items() if s != "auto"}
         choices.append((r["tree"], r["hq"], r["hkv"], plan.strategy,
                         measured[plan.strategy] / min(measured.values())))

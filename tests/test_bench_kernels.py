@@ -67,3 +67,45 @@ def test_compile_workers_precompile_each_head_config_before_the_cases(tmp_path, 
                and k["dtype"] == kernels.torch.float16 for k in pre)
     assert [c[0] for c in calls] == ["precompile", "precompile", "case", "case"]
     assert json.loads(out.read_text())["precompile_s"] >= 0
+
+
+def test_summary_reports_families_small_trees_and_the_targets():
+    rows = [{**_row(t, 32, 8, roof, graph), "family": f} for t, f, roof, graph in (
+        ("a", "beam", 5.0, {"auto": 10.0, "sequence": 10.0}),
+        ("b", "beam", 8.0, {"auto": 14.0, "sequence": 12.0}),
+        ("c", "doc-qa", 40.0, {"auto": 60.0, "sequence": 60.0}))]
+    s = kernels.summarize(rows)["32/8"]
+    assert s["families"] == {"beam": {"cases": 2, "auto_within_5pct_of_fastest": 1,
+                                      "auto_worst_over_fastest": pytest.approx(14 / 12)},
+                             "doc-qa": {"cases": 1, "auto_within_5pct_of_fastest": 1, "auto_worst_over_fastest": 1.0}}
+    assert s["small_trees"] == 2 and s["small_tree_auto_median_us"] == 12.0  # roofline under 15 us
+    assert s["auto_share_within_5pct"] == pytest.approx(2 / 3)
+    assert list(s["targets_met"].values()) == [False, False, True]
+
+
+def test_workloads_suite_times_every_workload_tree_with_its_family(tmp_path, monkeypatch):
+    from treeattn.tree import WORKLOAD_FAMILIES, tree_family, workload_names
+
+    class Mode:
+        num_streams, pdl = 0, True
+
+        def __init__(self, **kw):
+            pass
+
+    def bench_case(spec, hq, hkv, *a, **kw):
+        return {**_row(spec, hq, hkv, 4.0, {"auto": 10.0, "sequence": 10.0}), "family": tree_family(spec)}
+
+    monkeypatch.setattr(kernels.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels.torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 3e12)
+    monkeypatch.setattr(kernels, "provenance", lambda: {"device": "stub"})
+    monkeypatch.setattr(kernels, "load_anchors", lambda: {})
+    monkeypatch.setattr(kernels, "TreeAttention", Mode)
+    monkeypatch.setattr(kernels, "bench_case", bench_case)
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--suite", "workloads", "--strategies", "auto,sequence", "--heads", "32/8",
+                 "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert [r["tree"] for r in got["rows"]] == workload_names()
+    assert set(got["summary"]["32/8"]["families"]) == set(WORKLOAD_FAMILIES)
+    assert all(got["summary"]["32/8"]["targets_met"].values())

@@ -16,6 +16,7 @@ from treeattn.plan.select.profiles import (
     H100,
     H200,
     DeviceProfile,
+    fit_constants,
     fit_rates,
     load_profile,
     profile_for,
@@ -220,6 +221,25 @@ def test_fit_refuses_bad_timings():
         fit_rates(H200, [(0.0, _cases()[0])])
     with pytest.raises(ValueError, match="positive"):
         fit_rates(H200, [(float("nan"), _cases()[0])])
+
+
+def test_fit_constants_moves_only_the_constants_the_loss_depends_on():
+    """A loss of the log distance of two constants from 2x and 0.5x their H200 values: coordinate
+    descent finds them within its grid (span 4, 7 points halving: 1/27 of ln 4 after three rounds),
+    and a constant the loss ignores keeps its value."""
+    def loss(p):
+        return (np.log(p.sm_bandwidth / (2 * H200.sm_bandwidth)) ** 2
+                + np.log(p.mask_cost / (0.5 * H200.mask_cost)) ** 2)
+
+    fitted, report = fit_constants(H200, loss, ("sm_bandwidth", "mask_cost", "merge_step_s"), rounds=3)
+    assert fitted.sm_bandwidth == pytest.approx(2 * H200.sm_bandwidth, rel=0.06)
+    assert fitted.mask_cost == pytest.approx(0.5 * H200.mask_cost, rel=0.06)
+    assert report["factors"]["merge_step_s"] == 1.0 and fitted.merge_step_s == H200.merge_step_s
+    assert report["loss_after"] < 0.01 < report["loss_before"]
+    with pytest.raises(ValueError, match="launch_overhead_s"):  # zero: no factor moves it
+        fit_constants(H200, loss, ("launch_overhead_s",))
+    with pytest.raises(ValueError, match="num_sms"):
+        fit_constants(H200, loss, ("num_sms",))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error path of a host without a GPU")

@@ -1,5 +1,6 @@
 """``treeattn bench kernels``: every strategy on the kernel suite against the HBM roofline and the
-peers' measured latencies (shared/anchors/h200_peer_kernels.json).
+peers' measured latencies (shared/anchors/h200_peer_kernels.json), or on the workload-shaped trees
+(``--suite workloads``, :mod:`treeattn.tree.families`: no peers there), each row with its tree's family.
 
 In one run it measures the device's copy bandwidth, then times each case with
 ``triton.testing.do_bench`` (median, L2 flushed between runs), eagerly and as a CUDA-graph replay,
@@ -11,6 +12,7 @@ import json
 import math
 import os
 import re
+import statistics
 import time
 
 import torch
@@ -18,10 +20,14 @@ import torch
 from treeattn import STRATEGIES, TreeAttention
 from treeattn.bench.timing import copy_bandwidth, provenance, roofline_us, time_run
 from treeattn.cli.args import add_log_level, heads_list_arg, prepare_output, strategies_arg
-from treeattn.tree import find_shared, suite_trees, tree_from_spec
+from treeattn.tree import find_shared, suite_trees, tree_by_name, tree_family, workload_names
 
 PEERS = ("pat_us", "fasttree_us", "flashinfer_decode_us", "flashinfer_cascade_us", "deft_us")
 HEAD_DIM = 128
+#: the targets ``auto`` is held to (issue 51): within 5% of the fastest strategy on this share of
+#: the trees, never slower than this ratio, and this median graph latency on the trees whose HBM
+#: roofline is under ``SMALL_ROOFLINE_US``
+TARGET_SHARE, TARGET_WORST, TARGET_SMALL_MEDIAN_US, SMALL_ROOFLINE_US = 0.90, 1.15, 12.0, 15.0
 
 
 def load_anchors(path=None) -> dict:
@@ -55,10 +61,13 @@ def case_run(tree, hq: int, hkv: int, inputs: tuple, *, strategy: str = "auto", 
 
 def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, anchors: dict, *,
                streams: int | None = None, pdl: bool | None = None, tma: bool | None = None) -> dict:
-    tree = tree_from_spec(spec)
+    """One row: every strategy's eager and graph-replay latency on the tree ``spec`` names (a
+    kernel-suite spec or a workload tree's name, :func:`~treeattn.tree.families.tree_by_name`)."""
+    tree = tree_by_name(spec)
     dev = torch.device("cuda")
     q, k, v, out = case_inputs(tree, hq, hkv)
-    row = {"tree": spec, "hq": hq, "hkv": hkv, "requests": tree.num_queries, "tree_tokens": tree.num_tokens,
+    row = {"tree": spec, "family": tree_family(spec), "hq": hq, "hkv": hkv, "requests": tree.num_queries,
+           "tree_tokens": tree.num_tokens,
            "roofline_us": roofline_us(tree.num_tokens, tree.num_queries, hq, hkv, HEAD_DIM, bandwidth),
            "us": {}, "graph_us": {}, "plan_ms": {}}
     for s in strategies:
@@ -79,7 +88,9 @@ def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, ancho
 
 
 def summarize(rows) -> dict:
-    """Geometric means of latency / roofline per head config, and the comparison with peers."""
+    """Per head config: geometric means of latency / roofline, the comparison with peers, and
+    ``auto``'s graph-replay latency against the fastest strategy (overall and by family) and on
+    small trees, against the targets (:data:`TARGET_SHARE` ...)."""
     out = {}
     for hq, hkv in sorted({(r["hq"], r["hkv"]) for r in rows}):
         sel = [r for r in rows if (r["hq"], r["hkv"]) == (hq, hkv)]
@@ -101,12 +112,36 @@ def summarize(rows) -> dict:
             "cases_with_peers": len(peered),
         }
         # auto's choice against the fastest concrete strategy timed in the same run (graph replay)
-        ratios = [r["graph_us"]["auto"] / min(v for s, v in r["graph_us"].items() if s != "auto")
-                  for r in sel if "auto" in r["graph_us"] and len(r["graph_us"]) > 1]
+        compared = [r for r in sel if "auto" in r["graph_us"] and len(r["graph_us"]) > 1]
+        ratios = [_over_fastest(r) for r in compared]
+        summary = out[f"{hq}/{hkv}"]
         if ratios:
-            out[f"{hq}/{hkv}"].update(auto_within_5pct_of_fastest=sum(x <= 1.05 for x in ratios),
-                                      auto_worst_over_fastest=max(ratios), cases_compared=len(ratios))
+            summary.update(auto_within_5pct_of_fastest=sum(x <= 1.05 for x in ratios),
+                           auto_share_within_5pct=sum(x <= 1.05 for x in ratios) / len(ratios),
+                           auto_worst_over_fastest=max(ratios), cases_compared=len(ratios))
+            families = {}
+            for r, x in zip(compared, ratios):
+                if r.get("family"):
+                    families.setdefault(r["family"], []).append(x)
+            if families:
+                summary["families"] = {f: {"cases": len(xs), "auto_within_5pct_of_fastest": sum(x <= 1.05 for x in xs),
+                                           "auto_worst_over_fastest": max(xs)} for f, xs in families.items()}
+        small = [r["graph_us"]["auto"] for r in sel if r["roofline_us"] < SMALL_ROOFLINE_US and "auto" in r["graph_us"]]
+        if small:
+            summary.update(small_trees=len(small), small_tree_auto_median_us=statistics.median(small))
+        if ratios and small:
+            share = summary["auto_share_within_5pct"]
+            summary["targets_met"] = {
+                f"auto within 5% of the fastest on >= {TARGET_SHARE:.0%}": share >= TARGET_SHARE,
+                f"auto never over {TARGET_WORST}x the fastest": summary["auto_worst_over_fastest"] <= TARGET_WORST,
+                f"small-tree median <= {TARGET_SMALL_MEDIAN_US:g} us":
+                    summary["small_tree_auto_median_us"] <= TARGET_SMALL_MEDIAN_US}
     return out
+
+
+def _over_fastest(row: dict) -> float:
+    """``auto``'s graph-replay latency over the fastest concrete strategy's in ``row``."""
+    return row["graph_us"]["auto"] / min(v for s, v in row["graph_us"].items() if s != "auto")
 
 
 def plot(rows, strategies, path: str) -> None:
@@ -147,7 +182,9 @@ def run(args) -> int:
     strategies = args.strategies or list(STRATEGIES)
     heads = args.heads
     # everything that can fail on input fails here, before minutes of measuring
-    suite = suite_trees(args.suite)
+    suite = workload_names() if args.suite == "workloads" else suite_trees(args.suite)
+    for name in suite:  # (the workload trees read DeFT's templates from the shared folder)
+        tree_by_name(name, scale=1 / 64)
     anchors = load_anchors()
     out_path = prepare_output(_device_named(args.out), "--out")
     plot_path = prepare_output(_device_named(args.plot), "--plot")
@@ -181,7 +218,13 @@ def run(args) -> int:
     console.print(table)
     console.print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for k, v in result["summary"].items():
-        console.print(f"{k}: " + ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in v.items()))
+        console.print(f"{k}: " + ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}"
+                                           for a, b in v.items() if not isinstance(b, dict)))
+        for family, f in v.get("families", {}).items():
+            console.print(f"  {family}: auto within 5% of the fastest on {f['auto_within_5pct_of_fastest']}/"
+                          f"{f['cases']}, worst {f['auto_worst_over_fastest']:.3f}x")
+        for target, met in v.get("targets_met", {}).items():
+            console.print(f"  target {target}: {'met' if met else 'NOT met'}")
     if out_path:
         _write_json(out_path, result)
         console.print(f"wrote {out_path}")
@@ -222,8 +265,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("kernels", help="kernel-suite latency vs roofline and peers (CUDA)",
                               description="Time every strategy on the kernel suite (fp16, head_dim 128) "
                                           "against the HBM roofline and the peers' measured latencies.")
-    p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all"],
-                   help="which trees: FastTree's, PAT's or both (default: all)")
+    p.add_argument("--suite", default="all", choices=["fasttree", "pat", "all", "workloads"],
+                   help="which trees: FastTree's, PAT's or both (default: all), or the workload-shaped trees "
+                        "(beam search, best-of-n, RL groups, agents, Tree-of-Thoughts, document QA, Medusa)")
     p.add_argument("--heads", type=heads_list_arg, default="32/32,32/8,64/8", metavar="Q/KV,...",
                    help="comma-separated query/KV head configs (default: 32/32,32/8,64/8)")
     p.add_argument("--strategies", type=strategies_arg, default=None, help="comma-separated (default: all)")

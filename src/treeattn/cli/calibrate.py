@@ -9,18 +9,24 @@ bandwidth-bound (one query per KV head, long items) to compute-bound (GQA group 
 tiles), fitting the profile's memory and compute rates to them
 (:func:`~treeattn.plan.select.profiles.fit_rates`). The other constants keep the built-in
 profile's values. A few seconds on an H200.
+
+With ``--cross-validate``, it measures nothing (no GPU needed): it reads ``treeattn bench
+kernels`` results that time every strategy and reports, for each family of trees left out in
+turn, ``auto``'s regret there with the profile's fitted constants refitted on the other families
+(:mod:`treeattn.plan.select.crossval`).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from treeattn.cli.args import add_log_level
+from treeattn.cli.args import add_log_level, existing_file, prepare_output
 
 #: (kernel-suite tree, query heads, KV heads, strategy): bandwidth-bound to compute-bound plans
 #: ``(tree, query heads, KV heads, strategy, H200 microseconds)``: the synthetic plans calibrate
@@ -36,14 +42,43 @@ CASES = (("1,16_4096,32", 32, 32, "node", 69.30), ("1,64_8192,32", 32, 32, "sequ
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="measure this GPU and write its device profile (CUDA)")
     p.add_argument("--out", default=None, metavar="FILE",
-                   help="where to write the JSON profile (default: the per-device path profile_for reads)")
+                   help="where to write the JSON profile (default: the per-device path profile_for reads); "
+                        "with --cross-validate, the JSON report (default: none)")
     p.add_argument("--device", default="cuda", help="the CUDA device to measure, e.g. cuda:1")
+    cv = p.add_argument_group("cross-validation (CPU, measures nothing)")
+    cv.add_argument("--cross-validate", nargs="+", type=existing_file, default=None, metavar="RESULTS",
+                    help="bench kernels JSON files timing every strategy: leave each family of trees out, refit "
+                         "the profile's constants on the others, report auto's regret on it")
+    cv.add_argument("--objective", default="regret", choices=["regret", "latency"],
+                    help="what the refit minimises on the other families: the log regret of auto's choices, "
+                         "or the squared log error of every strategy's estimate (default: regret)")
+    cv.add_argument("--refit", type=_constants_arg, default=None, metavar="NAME,...",
+                    help="the profile constants refitted (default: the fitted rate constants, "
+                         "treeattn.plan.select.profiles.FITTED_CONSTANTS)")
     add_log_level(p)
     p.set_defaults(func=calibrate_command)
 
 
+def _constants_arg(text: str) -> tuple:
+    """Comma-separated positive float constants of :class:`DeviceProfile`."""
+    import argparse
+
+    from treeattn.plan.select.profiles import H200, DeviceProfile
+
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    floats = [f.name for f in dataclasses.fields(DeviceProfile) if f.type == "float" and getattr(H200, f.name) > 0]
+    bad = [n for n in names if n not in floats]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"not refittable: {', '.join(bad) or '(none given)'}; expected comma-"
+                                         f"separated positive float constants of the profile: {', '.join(floats)}")
+    return names
+
+
 def calibrate_command(args) -> int:
     from treeattn.plan.select.profiles import profile_path, save_profile
+
+    if args.cross_validate:
+        return cross_validate_command(args)
 
     try:
         device = torch.device(args.device)
@@ -63,6 +98,41 @@ def calibrate_command(args) -> int:
           f"{profile.num_sms} SMs, memory rates x{report['fit']['memory_scale']:.3f}, "
           f"compute rates x{report['fit']['compute_scale']:.3f} (rms log error "
           f"{report['fit']['rms_log_error_before']:.3f} -> {report['fit']['rms_log_error_after']:.3f})")
+    return 0
+
+
+def cross_validate_command(args) -> int:
+    """``treeattn calibrate --cross-validate``: print (and with ``--out`` write) the report of
+    :func:`~treeattn.plan.select.crossval.cross_validate`."""
+    from treeattn.plan.select.crossval import cross_validate, timed_cases
+    from treeattn.plan.select.profiles import FITTED_CONSTANTS
+
+    out = prepare_output(args.out, "--out")
+    results = []
+    for path in args.cross_validate:
+        with open(path) as f:
+            try:
+                results.append(json.load(f))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not JSON ({e})") from None
+    report = cross_validate(timed_cases(results), objective=args.objective, names=args.refit or FITTED_CONSTANTS)
+    report["results"] = list(args.cross_validate)
+
+    def cell(score: dict) -> str:
+        return f"{score['within_5pct']:3d}/{score['cases']:<3d} worst {score['worst']:.3f}x"
+
+    print(f"auto within 5% of the fastest strategy, each family left out (refit: {args.objective}):")
+    print(f"{'family':18s} {'as is':>24s} {'refit on the others':>24s}  refit factors != 1")
+    for family, r in [*report["families"].items(), ("all", report["all"])]:
+        moved = ", ".join(f"{k} x{v:.2f}" for k, v in r.get("fit", {}).get("factors", {}).items() if v != 1.0)
+        print(f"{family:18s} {cell(r['as_is']):>24s} {cell(r['refit']):>24s}  {moved}")
+    if report["run_choices_differ"]:
+        print(f"{len(report['run_choices_differ'])} cases choose otherwise than their run did: the plans changed "
+              f"since, so their timings are of other plans")
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {out}")
     return 0
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DeviceProfile", "H100", "H200", "BUILTIN_PROFILES", "builtin_profile", "device_facts", "fit_rates",
-           "load_profile", "profile_for", "profile_path", "save_profile", "scale_rates"]
+__all__ = ["DeviceProfile", "H100", "H200", "BUILTIN_PROFILES", "FITTED_CONSTANTS", "builtin_profile", "device_facts",
+           "fit_constants", "fit_rates", "load_profile", "profile_for", "profile_path", "save_profile", "scale_rates"]
 
 
 @dataclass(frozen=True)
@@ -385,3 +385,56 @@ def fit_rates(profile: DeviceProfile, cases: list, *, span: float = 4.0) -> tupl
         "memory_scale": memory, "compute_scale": compute, "cases": len(cases),
         "rms_log_error_before": float(np.sqrt(before / len(cases))),
         "rms_log_error_after": float(np.sqrt(best[0] / len(cases)))}
+
+
+#: the constants fitted to measured latencies of every strategy (the others were set by A/B timings
+#: of the plans they choose between); :func:`fit_constants` refits these by default
+FITTED_CONSTANTS = ("program_bandwidth", "program_flops", "program_overhead_s", "sm_bandwidth", "sm_flops",
+                    "sm_flops_small", "mask_cost", "merge_step_s", "fixed_overhead_s")
+
+
+def fit_constants(profile: DeviceProfile, loss, names=FITTED_CONSTANTS, *, span: float = 4.0, rounds: int = 2,
+                  points: int = 7) -> tuple[DeviceProfile, dict]:
+    """``profile`` with each constant of ``names`` multiplied by a factor within ``1 / span`` to
+    ``span`` to minimise ``loss(profile)`` (a float), and the fit's report: the factors and the
+    loss before and after.
+
+    Coordinate descent: each round tries every constant in turn at ``points`` factors on a log
+    grid around its current one, keeping a factor only where the loss drops (so a loss flat in
+    a constant leaves it as it was), and the next round's grid is half as wide. No gradient is
+    needed: the cost model is not smooth in its constants (a launch's time is a soft maximum, a
+    choice among plans a step).
+
+    Raises
+    ------
+    ValueError
+        For a name that is not a positive float constant of the profile (a factor cannot move a
+        zero).
+    """
+    floats = {f.name for f in dataclasses.fields(DeviceProfile) if f.type == "float"}
+    bad = [n for n in names if n not in floats or not getattr(profile, n) > 0]
+    if bad:
+        raise ValueError(f"cannot fit {bad}: fitted names must be positive float constants of the profile, "
+                         f"e.g. {list(FITTED_CONSTANTS)}")
+    names = list(names)
+
+    def scaled(logf) -> DeviceProfile:
+        return dataclasses.replace(profile, **{n: getattr(profile, n) * float(np.exp(f)) for n, f in zip(names, logf)})
+
+    logf = np.zeros(len(names))
+    before = best = float(loss(profile))
+    half = limit = float(np.log(span))
+    for _ in range(rounds):
+        for i in range(len(names)):
+            center = logf[i]
+            for step in np.linspace(-half, half, points):
+                if step == 0.0:
+                    continue  # (the current factor: its loss is ``best``)
+                trial = logf.copy()
+                trial[i] = np.clip(center + step, -limit, limit)
+                e = float(loss(scaled(trial)))
+                if e < best:
+                    best, logf = e, trial
+        half /= 2
+    return scaled(logf), {"factors": {n: float(np.exp(f)) for n, f in zip(names, logf)},
+                          "loss_before": before, "loss_after": best}
