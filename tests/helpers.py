@@ -1,7 +1,8 @@
 """Shared test helpers: random trees, error metrics, the plan-coverage invariant and the engine's
-leaves against transformers."""
+leaves against transformers; batched prefill against separate prefills."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 
@@ -197,3 +198,40 @@ def check_leaves(hf, leaves, tol: float = 1e-4) -> None:
     for leaf in leaves:
         err = (hf_last_logits(hf, leaf["tokens"]) - leaf["logits"].cpu()).abs().max().item()
         assert err <= tol, f"leaf {leaf['node']} ({len(leaf['tokens'])} tokens): max abs diff {err}"
+
+
+def batched_vs_separate(model, *, page_size: int = 4, hf=None, tol: float = 1e-5) -> None:
+    """Three prefills in one :meth:`TreeEngine.batched_prefill` pass equal the same prefills run one
+    at a time (last-token logits within ``tol``, every new token's K/V) and, with ``hf``, its
+    logits: a root prompt of two chunks, one below a cached prompt, one below the first one's
+    chain (its context is written in the same pass); every path is longer than 8 tokens (a
+    sliding window of 8 reaches into the contexts)."""
+    from treeattn.engine import TreeEngine
+
+    cached, root, below, after = list(range(40, 53)), [list(range(3, 11)), [99, 98, 97]], [7, 8, 9, 10], [5, 6, 1, 2, 4]
+    runs = []
+    for batched in (True, False):
+        eng = TreeEngine(model, page_size=page_size, kv_tokens=512)
+        top = eng.prefill_chain(None, [cached])[-1]
+        calls, prefill = [], model.prefill
+        model.prefill = lambda *a, **kw: (calls.append(a[0].shape[0]), prefill(*a, **kw))[1]
+        try:
+            with eng.batched_prefill() if batched else contextlib.nullcontext():
+                a = eng.prefill_chain(None, root)
+                b = eng.prefill_chain(top, [below])
+                c = eng.prefill_chain(a[-1], [after])
+                assert not batched or not calls                  # queued, not run
+        finally:
+            del model.prefill
+        assert calls == ([20] if batched else [11, 4, 5])
+        nodes = [a[-1], b[-1], c[-1]]
+        slots = np.concatenate([eng.tree.path_slots(n) for n in nodes])
+        kv = torch.stack([torch.stack((k[slots], v[slots])) for k, v in eng.kv.caches])
+        runs.append((eng.logits_for(nodes), kv, [eng.tree.path_slots(n).tolist() for n in nodes]))
+    (lb, kb, sb), (ls, ks, ss) = runs
+    assert sb == ss                                              # same slots, same pool
+    assert (lb - ls).abs().max().item() <= tol and (kb - ks).abs().max().item() <= tol
+    if hf is not None:
+        paths = [sum(root, []), cached + below, sum(root, []) + after]
+        for got, toks in zip(lb, paths):
+            assert (got - hf_last_logits(hf, toks)).abs().max().item() <= 1e-4

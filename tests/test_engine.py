@@ -10,7 +10,7 @@ from treeattn import STRATEGIES  # noqa: E402
 from treeattn.engine import (BeamSearchController, Callbacks, Sampler, SamplingController,  # noqa: E402
                              TreeEngine, TreeModel, periodic_branching)
 from treeattn.engine.workloads import SpeculativeReplayController, ToTReplayController  # noqa: E402
-from helpers import check_leaves, hf_last_logits  # noqa: E402
+from helpers import batched_vs_separate, check_leaves, hf_last_logits  # noqa: E402
 
 TOL = 1e-4
 
@@ -373,3 +373,7 @@ def test_triton_decode_windows_match_transformers(tiny, strategy):
                              callbacks=periodic_branching(8, 2, 8))
     check_leaves(hf, eng.run(ctl)["leaves"])
     assert eng.planner.last_reason  # planned at least once
+
+
+def test_batched_prefill_equals_separate_prefills_and_transformers(tiny, model):
+    batched_vs_separate(model, hf=tiny[0])

@@ -1,5 +1,6 @@
 """Engine pieces on their own: model-directory and template errors, samplers, the sequence tree and
 KV cache managers."""
+import contextlib
 import json
 
 import numpy as np
@@ -207,6 +208,57 @@ def test_prefill_rejects_token_ids_outside_the_vocabulary():
         engine.run(BeamSearchController([1, 10**6], num_beams=2, max_new_tokens=2))
     with pytest.raises(ValueError, match="out of the model's vocabulary"):
         engine.run(BeamSearchController([-3, 1], num_beams=2, max_new_tokens=2))
+
+
+def _batch_with_failures(model, batched: bool):
+    """In one batch: a two-block chain whose second block is pruned before the pass (evicted) and
+    whose freed page the last prefill takes, a prefill whose logits are forgotten, and one that
+    runs out of pages. Returns (engine, the last prefill's logits, the forgotten node, the slots
+    of the tokens left, the prefill calls' token counts)."""
+    from treeattn import KVPoolOutOfMemory
+
+    eng = TreeEngine(model, page_size=4, kv_tokens=64)
+    pool, calls, prefill = eng.pool, [], model.prefill
+    model.prefill = lambda *a, **kw: (calls.append(a[0].shape[0]), prefill(*a, **kw))[1]
+    try:
+        with eng.batched_prefill() if batched else contextlib.nullcontext():
+            a = eng.prefill_chain(None, [list(range(1, 9)), [9, 10, 11, 12]])
+            b = eng.prefill_chain(None, [[20, 21, 22, 23, 24]])
+            eng.forget_logits(b[-1])
+            free = pool.num_free_pages
+            with pytest.raises(KVPoolOutOfMemory):
+                eng.prefill_chain(b[-1], [[1] * 200])
+            assert pool.num_free_pages == free and len(eng.tree.children(b[-1])) == 0
+            gone = eng.kv.own_slots(a[1]).copy()
+            eng.tree.prune(a[1], cascade=False)
+            c = eng.prefill_chain(a[0], [[30, 31, 32, 33, 34]])
+            assert np.isin(eng.kv.own_slots(c[0]), gone).any()     # its slots were a[1]'s
+            logits = eng.logits_of(c[0])                          # runs the queued pass
+            assert not eng._queued
+    finally:
+        del model.prefill
+    slots = np.concatenate([eng.tree.path_slots(b[0]), eng.tree.path_slots(c[0])])
+    return eng, logits, b[0], slots, calls
+
+
+def test_batched_prefill_leaves_out_pruned_tokens_and_keeps_forgotten_kv():
+    model = TreeModel.random("tiny")
+    (eng, lb, forgot, slots, calls), (sep, ls, _, sslots, scalls) = (_batch_with_failures(model, b)
+                                                                     for b in (True, False))
+    assert calls == [8 + 5 + 5] and scalls == [12, 5, 5]
+    assert (slots == sslots).all() and (lb - ls).abs().max().item() <= 1e-5
+    for (k, v), (sk, sv) in zip(eng.kv.caches, sep.kv.caches):
+        assert (k[slots] - sk[slots]).abs().max().item() <= 1e-5 and (v[slots] - sv[slots]).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="no logits"):
+        eng.logits_of(forgot)
+    eng.pool.check()
+    eng.reset()
+    assert eng.pool.num_free_pages == eng.pool.num_pages
+    ar = torch.arange(6)
+    with pytest.raises(ValueError, match="as many segment lengths"):
+        model.prefill(ar, ar, ar, [ar[:0], ar[:2]], eng.kv.caches, lengths=[6])
+    with pytest.raises(ValueError, match="sum to the 6 tokens"):
+        model.prefill(ar, ar, ar, [ar[:0], ar[:2]], eng.kv.caches, lengths=[3, 2])
 
 
 def test_precompile_kernels_is_a_no_op_on_the_torch_backend():

@@ -14,7 +14,7 @@ from treeattn.engine import (Sampler, SamplingController, TreeEngine, TreeModel,
                              periodic_branching)
 from treeattn.engine.config import ModelConfig, load_config  # noqa: E402
 from treeattn.engine.workloads import SpeculativeReplayController  # noqa: E402
-from helpers import check_leaves, hf_last_logits  # noqa: E402
+from helpers import batched_vs_separate, check_leaves, hf_last_logits  # noqa: E402
 
 TOL = 1e-4
 WINDOW = 8
@@ -235,3 +235,8 @@ def test_cuda_engine_past_the_window_matches_transformers(tmp_path, arch, strate
     ref = hf.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, do_sample=False,
                       max_new_tokens=12)
     assert beams.sequences == ref[:, len(prompt):].tolist()
+
+
+def test_batched_prefill_past_the_window_equals_separate_prefills(pair):
+    hf, m = pair
+    batched_vs_separate(m, hf=hf)

@@ -2,6 +2,7 @@
 enqueued before step ``t``'s tokens are read (overlap) and the outputs equal the synchronous loop's;
 long prompts are prefilled in chunks between decode steps, equal to one prefill, and a request
 cancelled in the middle of its chunks leaves no page behind."""
+import contextlib
 import threading
 import time
 
@@ -185,6 +186,29 @@ def test_prefix_chunks_are_pinned_shared_and_counted_once():
     cache.release(last)
     assert cache.clear() == 4 and pool.num_free_pages == pool.num_pages
     pool.check()
+
+
+def test_requests_admitted_together_share_one_prefill_pass():
+    """Four prompts admitted in one iteration, two sharing a system prompt none had cached (the
+    later ones match the first one's blocks, written in the same pass): one forward pass, and the
+    greedy outputs and prefix hits of prefilling them one at a time."""
+    system = list(range(100, 132))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reqs = [(system + [1, 2, 3], params), ([7, 8, 9], params), (system + [4, 5], SamplingParams(
+        n=2, max_tokens=6, temperature=0, ignore_eos=True)), (system + [6], params)]
+    runs = []
+    for batched in (True, False):
+        sched = _scheduler()
+        model, calls = sched.engine.model, []
+        prefill = model.prefill
+        model.prefill = lambda *a, **kw: (calls.append(a[0].shape[0]), prefill(*a, **kw))[1]
+        if not batched:
+            sched.engine.batched_prefill = contextlib.nullcontext
+        got = _run(sched, reqs)
+        runs.append(([g.tokens for g in got], calls, sched.cache.hit_tokens))
+    (tokens, calls, hits), (tokens1, calls1, hits1) = runs
+    assert calls == [35 + 3 + 2 + 1] and calls1 == [35, 3, 2, 1]
+    assert hits == hits1 == 2 * len(system) and tokens == tokens1
 
 
 def test_serve_cli_options():

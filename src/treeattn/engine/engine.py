@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import os
 import time
@@ -41,6 +42,18 @@ def _window_tokens(dtree: DecodingTree) -> tuple:
     the (visible, unique) tokens of the nodes above the queried leaves."""
     leaf = int(dtree.query_prefix.sum())      # the leaves' own tokens and reserved slots
     return dtree.num_tokens, (int(dtree.visible_tokens.sum()) - leaf, dtree.num_tokens - leaf)
+
+
+class _QueuedPrefill:
+    """A prefill whose forward pass waits for :meth:`TreeEngine.flush_prefill`: the chain of
+    ``nodes`` (the first may be an existing leaf it extends) holding ``counts`` of the new tokens
+    each; ``want``: store the logits of its last token."""
+
+    __slots__ = ("nodes", "counts", "ids", "pos", "slots", "ctx", "want")
+
+    def __init__(self, nodes, counts, ids, pos, slots, ctx):
+        self.nodes, self.counts, self.ids, self.pos, self.slots, self.ctx = nodes, counts, ids, pos, slots, ctx
+        self.want = True
 
 
 class TreeEngine(SpeculativeSteps):
@@ -150,6 +163,9 @@ class TreeEngine(SpeculativeSteps):
         self.hook = None
         self.stats: list[StepStats] = []
         self._logits: dict[int, tuple] = {}
+        # prefills whose forward pass is deferred (:meth:`batched_prefill`), and the nesting depth
+        self._queued: list[_QueuedPrefill] = []
+        self._batching = 0
         self._win: Window | None = None
         # the next decode window, planned on a background thread: (nodes, own tokens at its first
         # step, steps, future host plan, its tree's KV tokens)
@@ -175,6 +191,7 @@ class TreeEngine(SpeculativeSteps):
         return t[row]
 
     def _ref(self, node: int) -> tuple:
+        self.flush_prefill()
         n = node
         while n is not None and n not in self._logits:
             n = self.tree.parent(n)
@@ -184,8 +201,12 @@ class TreeEngine(SpeculativeSteps):
 
     def forget_logits(self, node: int) -> None:
         """Drop the logits stored for ``node`` (a cached prompt prefix nobody samples from), so that
-        they do not hold memory while the node stays in the tree."""
+        they do not hold memory while the node stays in the tree. A queued prefill ending at
+        ``node`` still writes its KV (:meth:`batched_prefill`)."""
         self._logits.pop(node, None)
+        for q in self._queued:
+            if q.nodes[-1] == node:
+                q.want = False
 
     def logits_for(self, nodes) -> torch.Tensor:
         """float32 ``[n, vocab]``: :meth:`logits_of` of each node (no host synchronisation)."""
@@ -204,16 +225,17 @@ class TreeEngine(SpeculativeSteps):
         return torch.zeros(n, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
 
     # ------------------------------------------------------------------ steps
-    def prefill(self, node: int, tokens) -> torch.Tensor:
+    def prefill(self, node: int, tokens) -> torch.Tensor | None:
         """Append host token ids to leaf ``node`` with causal SDPA over its path; returns the
-        float32 logits ``[vocab]`` after the last one."""
+        float32 logits ``[vocab]`` after the last one (None inside :meth:`batched_prefill`: the
+        forward pass is queued, the logits are :meth:`logits_of` ``node`` afterwards)."""
         if not len(tokens):
             raise ValueError("prefill needs at least one token")
         self._check_vocab(np.asarray(tokens))
         self._close_window()
         ctx = self.tree.path_slots(node)
         slots, pos = self.tree.extend(node, tokens)
-        return self._prefill_run(node, np.asarray(tokens), pos, slots, ctx)
+        return self._prefill_run([node], [len(tokens)], np.asarray(tokens), pos, slots, ctx)
 
     def prefill_chain(self, parent: int | None, chunks) -> list:
         """Prefill consecutive token runs as a chain of new nodes below ``parent`` (new roots
@@ -221,7 +243,8 @@ class TreeEngine(SpeculativeSteps):
 
         A prefix cache keeps one node per cached block but should not pay one forward pass per
         block. When the pool runs out of pages the chain is removed and
-        :class:`treeattn.KVPoolOutOfMemory` raised.
+        :class:`treeattn.KVPoolOutOfMemory` raised (inside :meth:`batched_prefill` as well: only
+        the forward pass is queued).
         """
         chunks = [np.asarray(c) for c in chunks]
         if not chunks or any(c.size == 0 for c in chunks):
@@ -242,8 +265,62 @@ class TreeEngine(SpeculativeSteps):
             for n in reversed(nodes):
                 self.tree.prune(n, cascade=False)
             raise
-        self._prefill_run(nodes[-1], ids, np.concatenate(pos), np.concatenate(slots), ctx)
+        self._prefill_run(nodes, [c.size for c in chunks], ids, np.concatenate(pos), np.concatenate(slots), ctx)
         return nodes
+
+    @contextlib.contextmanager
+    def batched_prefill(self):
+        """A block whose prefills (:meth:`prefill`, :meth:`prefill_chain`) share one forward pass.
+
+        Inside it a prefill does its bookkeeping at once (nodes, slots, positions; its errors,
+        :class:`treeattn.KVPoolOutOfMemory` among them, are raised as outside) and queues its
+        forward pass. Leaving the block, or anything that needs logits or runs a step
+        (:meth:`logits_of`, :meth:`decode`, :meth:`verify`, :meth:`run`), runs the queued
+        prefills in one pass of :meth:`TreeModel.prefill <treeattn.engine.model.TreeModel.prefill>`
+        (:meth:`flush_prefill`): the norms, GEMMs and K/V writes once over all their tokens,
+        attention per prefill. A prefill may take as context the tokens of an earlier one in the
+        block (two prompts sharing a system prompt cached by the first): every prefill's K/V of a
+        layer is written before any of them attends in that layer.
+
+        Tokens whose nodes were pruned before the pass are left out of it (their slots may
+        already belong to others). Blocks nest; the outermost one flushes, also when left by an
+        exception (the queued nodes are in the tree and need their K/V).
+        """
+        self._batching += 1
+        try:
+            yield self
+        finally:
+            self._batching -= 1
+            if not self._batching:
+                self.flush_prefill()
+
+    def flush_prefill(self) -> None:
+        """Run the forward pass of the queued prefills (:meth:`batched_prefill`) now and store
+        their logits; nothing when none are queued."""
+        if not self._queued:
+            return
+        queue, self._queued = self._queued, []
+        live = []
+        for q in queue:
+            alive = 0
+            while alive < len(q.nodes) and q.nodes[alive] in self.tree:
+                alive += 1
+            if alive < len(q.nodes):        # evicted (its last node first) before its pass
+                if not alive:
+                    continue
+                n = sum(q.counts[:alive])
+                q.ids, q.pos, q.slots, q.want = q.ids[:n], q.pos[:n], q.slots[:n], False
+            live.append(q)
+        if not live:
+            return
+        d = self.device
+        logits = self._prefill_model(
+            upload(np.concatenate([q.ids for q in live]), d), upload(np.concatenate([q.pos for q in live]), d),
+            upload(np.concatenate([q.slots for q in live]), d), [upload(q.ctx, d) for q in live],
+            [q.ids.size for q in live])
+        for i, q in enumerate(live):
+            if q.want:
+                self._logits[q.nodes[-1]] = (logits, i)
 
     def _check_vocab(self, ids: np.ndarray) -> None:
         vocab = self.model.config.vocab_size
@@ -251,19 +328,30 @@ class TreeEngine(SpeculativeSteps):
             bad = int(ids[(ids < 0) | (ids >= vocab)][0])
             raise ValueError(f"token id {bad} is out of the model's vocabulary [0, {vocab})")
 
-    def _prefill_run(self, node: int, ids: np.ndarray, pos, slots, ctx) -> torch.Tensor:
+    def _prefill_run(self, nodes: list, counts: list, ids: np.ndarray, pos, slots, ctx) -> torch.Tensor | None:
+        """Run (or, inside :meth:`batched_prefill`, queue) the forward pass of new tokens ``ids``
+        held by the chain ``nodes`` (``counts`` each) over context slots ``ctx``."""
         self._check_positions(pos)
+        if self._batching and self.compute:
+            self._queued.append(_QueuedPrefill(nodes, counts, ids, pos, slots, ctx))
+            return None
+        self.flush_prefill()            # (a queued prefill may be this one's context)
         if self.compute:
             d = self.device
-            logits = self._prefill_model(upload(ids, d), upload(pos, d), upload(slots, d), upload(ctx, d))
+            logits = self._prefill_model(upload(ids, d), upload(pos, d), upload(slots, d), [upload(ctx, d)],
+                                         [ids.size])
         else:
-            logits = self._zeros(1)[0]
-        self._logits[node] = (logits[None], 0)
-        return logits
+            logits = self._zeros(1)
+        self._logits[nodes[-1]] = (logits, 0)
+        return logits[0]
 
-    def _prefill_model(self, tokens, positions, slots, context_slots) -> torch.Tensor:
-        """The model's prefill of one chunk (a hook: :mod:`treeattn.engine.sharded` overrides it)."""
-        return self.model.prefill(tokens, positions, slots, context_slots, self.kv.caches)
+    def _prefill_model(self, tokens, positions, slots, contexts: list, lengths: list) -> torch.Tensor:
+        """The model's prefill of segments of ``lengths`` tokens, concatenated, over their
+        ``contexts`` slots; float32 ``[segments, vocab]`` (a hook: :mod:`treeattn.engine.sharded`
+        overrides it)."""
+        if len(contexts) == 1:
+            return self.model.prefill(tokens, positions, slots, contexts[0], self.kv.caches)[None]
+        return self.model.prefill(tokens, positions, slots, contexts, self.kv.caches, lengths=lengths)
 
     def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
         """One new token for each leaf of ``nodes``; returns float32 logits ``[n, vocab]``.
@@ -278,6 +366,7 @@ class TreeEngine(SpeculativeSteps):
             (this one included); up to ``window`` of them share one plan. A broken promise only
             costs a re-plan.
         """
+        self.flush_prefill()
         t0 = time.perf_counter()
         nodes = list(nodes)
         if not self.compute:
@@ -546,10 +635,13 @@ class TreeEngine(SpeculativeSteps):
         dict: the controller's result.
         """
         self.compute = True
+        # a controller reads its prefills' logits at once: no batching while it runs
+        self.flush_prefill()
+        batching, self._batching = self._batching, 0
         self.prepare_graphs(controller.query_counts())   # (captured now, not in the first steps)
-        controller.start(self)
         step = 0
         try:
+            controller.start(self)
             while max_steps is None or step < max_steps:
                 self.compute = schedule(step) if schedule is not None else True
                 before = len(self.stats)
@@ -560,12 +652,14 @@ class TreeEngine(SpeculativeSteps):
                     on_step(step, self.stats[-1] if len(self.stats) > before else None)
         finally:
             self.compute = True
+            self._batching = batching
         return controller.result(self)
 
     def reset(self) -> None:
         """Prune every sequence, drop stored results and free every KV page the engine holds."""
         self._close_window()
         self._verify = None
+        self._queued.clear()
         self._inflight.clear()
         self.tree.clear()
         self.tree.results.clear()

@@ -289,48 +289,87 @@ class TreeModel:
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                context_slots: torch.Tensor, caches, *, all_logits: bool = False) -> torch.Tensor:
+                context_slots, caches, *, lengths=None, all_logits: bool = False) -> torch.Tensor:
         """Causal prefill of ``L`` tokens that follow ``C`` context tokens already in the cache
         (the whole path before them: context token ``i`` sits at position ``i``); in sliding-window
         layers each token sees the last ``sliding_window`` tokens only.
 
+        Several *segments* (prompts of different requests) can share one pass: their tokens are
+        concatenated, every layer's norms, GEMMs and K/V writes run once over all of them, and only
+        attention runs per segment. Every segment's K/V of a layer is written before any attention
+        of that layer, so a segment's context may include slots an earlier segment writes.
+
         Parameters
         ----------
         tokens, positions, slots : int64 ``[L]``
-        context_slots : int64 ``[C]``
-            Cache slots of the context, in order (empty for a root prompt).
+            Of every segment, concatenated in order.
+        context_slots : int64 ``[C]``, or a sequence of ``R`` of them
+            Cache slots of the (each segment's) context, in order (empty for a root prompt).
+        lengths : sequence of ``R`` int, optional
+            New tokens of each segment (positive, summing to ``L``); required with a sequence of
+            ``context_slots``.
         all_logits : bool
-            Return logits of every position instead of the last one.
+            Return logits of every position instead of each segment's last one.
 
         Returns
         -------
-        float32 logits ``[vocab]`` (last position) or ``[L, vocab]``.
+        float32 logits ``[vocab]`` (last position, one tensor ``context_slots``), ``[R, vocab]``
+        (each segment's last position, a sequence of them) or ``[L, vocab]`` (``all_logits``).
         """
+        L = tokens.shape[0]
+        single = isinstance(context_slots, torch.Tensor)
+        if single:
+            contexts, lengths = [context_slots], [L]
+        else:
+            contexts = list(context_slots)
+            if lengths is None or len(lengths) != len(contexts) or not contexts:
+                raise ValueError(f"prefill: {len(contexts)} context_slots need as many segment lengths, got "
+                                 f"{None if lengths is None else len(lengths)}")
+            lengths = [int(n) for n in lengths]
+            if min(lengths) < 1 or sum(lengths) != L:
+                raise ValueError(f"prefill: segment lengths {lengths} must be positive and sum to the {L} tokens")
         c = self.config
-        L, C = tokens.shape[0], context_slots.shape[0]
         group = c.num_heads // c.num_kv_heads
-        dev = self.device
-        query = C + torch.arange(L, device=dev)
-        # per kind of layer: the slots of the keys it reads and the mask over them; full layers
-        # take a lower-right causal bias, which SDPA runs with its flash kernel, not a dense mask
-        full_slots = torch.cat((context_slots, slots))
-        kinds = {None: (full_slots, causal_lower_right(L, C + L))}
-        if c.sliding_window is not None:
-            # the first context token any query's window reaches: C - (W - 1)
-            first = max(0, C - c.sliding_window + 1)
-            key = torch.arange(first, C + L, device=dev)[None, :]
-            win_mask = (key <= query[:, None]) & (key > query[:, None] - c.sliding_window)
-            kinds[c.sliding_window] = (torch.cat((context_slots[first:], slots)), win_mask)
+        segments, start = [], 0
+        for ctx, n in zip(contexts, lengths):
+            segments.append((start, start + n, self._prefill_keys(ctx, slots[start:start + n])))
+            start += n
         h = self.embed(tokens)
         with sdpa_kernel(list(_PREFILL_BACKENDS)):
             for layer in range(c.num_layers):
+                # all segments' K/V of this layer are in the cache before any of them attends
                 q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
                 kc, vc = caches[layer]
-                key_slots, mask = kinds[c.layer_window(layer)]
-                k = kc.index_select(0, key_slots).repeat_interleave(group, dim=1)
-                v = vc.index_select(0, key_slots).repeat_interleave(group, dim=1)
-                o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                   v.transpose(0, 1)[None], attn_mask=mask, scale=c.sm_scale)
-                h = self.post_attention(layer, h, o[0].transpose(0, 1))
-        out = self.logits(h if all_logits else h[-1:])
-        return out if all_logits else out[0]
+                win = c.layer_window(layer)
+                outs = []
+                for a, b, kinds in segments:
+                    key_slots, mask = kinds[win]
+                    k = kc.index_select(0, key_slots).repeat_interleave(group, dim=1)
+                    v = vc.index_select(0, key_slots).repeat_interleave(group, dim=1)
+                    o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                       v.transpose(0, 1)[None], attn_mask=mask, scale=c.sm_scale)
+                    outs.append(o[0].transpose(0, 1))
+                h = self.post_attention(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
+        if all_logits:
+            return self.logits(h)
+        if single:
+            return self.logits(h[-1:])[0]
+        # (views of the last rows: no index tensor to upload)
+        return self.logits(torch.stack([h[b - 1] for _, b, _ in segments]))
+
+    def _prefill_keys(self, context_slots: torch.Tensor, slots: torch.Tensor) -> dict:
+        """Per kind of layer (its window, None: full attention), the slots of the keys that the
+        ``L`` new tokens at ``slots`` after ``C`` context tokens read and the mask over them."""
+        c = self.config
+        L, C = slots.shape[0], context_slots.shape[0]
+        # full layers take a lower-right causal bias, which SDPA runs with its flash kernel, not a
+        # dense mask
+        kinds = {None: (torch.cat((context_slots, slots)), causal_lower_right(L, C + L))}
+        if c.sliding_window is not None:
+            # the first context token any query's window reaches: C - (W - 1)
+            first = max(0, C - c.sliding_window + 1)
+            query = C + torch.arange(L, device=self.device)
+            key = torch.arange(first, C + L, device=self.device)[None, :]
+            win_mask = (key <= query[:, None]) & (key > query[:, None] - c.sliding_window)
+            kinds[c.sliding_window] = (torch.cat((context_slots[first:], slots)), win_mask)
+        return kinds

@@ -147,7 +147,15 @@ class ShardedTreeEngine(TreeEngine):
         self._lplan = None
 
     # ------------------------------------------------------------------ prefill
-    def _prefill_model(self, tokens, positions, slots, context_slots) -> torch.Tensor:
+    def _prefill_model(self, tokens, positions, slots, contexts: list, lengths: list) -> torch.Tensor:
+        """One sharded pass per segment (each merges its partial attentions across ranks)."""
+        out, a = [], 0
+        for ctx, n in zip(contexts, lengths):
+            out.append(self._prefill_one(tokens[a:a + n], positions[a:a + n], slots[a:a + n], ctx))
+            a += n
+        return torch.stack(out)
+
+    def _prefill_one(self, tokens, positions, slots, context_slots) -> torch.Tensor:
         m, c = self.model, self.model.config
         n = tokens.shape[0]
         causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
@@ -196,6 +204,7 @@ class ShardedTreeEngine(TreeEngine):
     def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
         """One new token for each leaf of ``nodes`` (see :meth:`TreeEngine.decode`); ``horizon``
         is ignored (one plan per step)."""
+        self.flush_prefill()
         t0 = time.perf_counter()
         nodes = list(nodes)
         if not self.compute:

@@ -32,6 +32,7 @@ class SpeculativeSteps:
         -------
         float32 logits ``[1 + m, vocab]``: row 0 after the root token, row ``1 + i`` after draft ``i``.
         """
+        self.flush_prefill()
         t0 = time.perf_counter()
         self._close_window()
         par = np.asarray(draft_parents, dtype=np.int64)

@@ -29,6 +29,12 @@ and joins the batch with its last chunk. Chunks run as their own forward passes 
 steps, not inside them: a decode step is a captured CUDA graph of a fixed batch with treeattn's
 tree attention, a chunk a variable-length causal SDPA pass over its cached context.
 
+**Batched prefill.** The prompts admitted in one iteration, and the chunk cached in it, share one
+forward pass (:meth:`~treeattn.engine.TreeEngine.batched_prefill`): its GEMMs read the weights once
+for all of them, attention runs per prompt. A prompt may match blocks another prompt of the same
+iteration just cached (a new system prompt shared by both): the pass writes every prompt's K/V of a
+layer before any of them attends in it.
+
 The loop waits for the device once per step, when the sampled tokens come to the host; the wall
 time between two such waits (or from an idle wake-up) is counted as ``prefill_ms`` when the loop
 issued a prefill in it (the interval also holds one decode step) and as ``decode_ms`` otherwise, so
@@ -345,6 +351,11 @@ class Scheduler:
                 log.exception("engine step failed")
                 for req in list(self._running):
                     self._fail(req, f"engine error: {e}")
+                # a failed batched prefill leaves the blocks it cached without K/V: evict them all
+                # (the waiting requests' chunks too) so that no prompt matches them
+                for req in self._waiting:
+                    self._unpin(req)
+                self.cache.clear()
 
     def _run_calls(self) -> None:
         with self._cv:
@@ -406,6 +417,12 @@ class Scheduler:
         return pool.num_free_pages >= pages
 
     def _admit(self) -> None:
+        """Admit waiting requests while the batch and the KV pool allow; the prompts admitted (and
+        chunks cached) in one call share one forward pass (:meth:`TreeEngine.batched_prefill`)."""
+        with self.engine.batched_prefill():
+            self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
         spent = self.cache.miss_tokens            # prompt tokens prefilled in this call: miss_tokens - spent
         while self._waiting:
             req = self._waiting[0]
