@@ -197,18 +197,20 @@ def test_requests_admitted_together_share_one_prefill_pass():
     reqs = [(system + [1, 2, 3], params), ([7, 8, 9], params), (system + [4, 5], SamplingParams(
         n=2, max_tokens=6, temperature=0, ignore_eos=True)), (system + [6], params)]
     runs = []
-    for batched in (True, False):
+    for batched, bound in ((True, None), (False, None), (True, 36)):
         sched = _scheduler()
         model, calls = sched.engine.model, []
         prefill = model.prefill
         model.prefill = lambda *a, **kw: (calls.append(a[0].shape[0]), prefill(*a, **kw))[1]
         if not batched:
             sched.engine.batched_prefill = contextlib.nullcontext
+        if bound:            # a pass runs as soon as its queue holds this many tokens
+            sched.engine.prefill_tokens = bound
         got = _run(sched, reqs)
         runs.append(([g.tokens for g in got], calls, sched.cache.hit_tokens))
-    (tokens, calls, hits), (tokens1, calls1, hits1) = runs
-    assert calls == [35 + 3 + 2 + 1] and calls1 == [35, 3, 2, 1]
-    assert hits == hits1 == 2 * len(system) and tokens == tokens1
+    (tokens, calls, hits), (tokens1, calls1, hits1), (tokens2, calls2, hits2) = runs
+    assert calls == [35 + 3 + 2 + 1] and calls1 == [35, 3, 2, 1] and calls2 == [35 + 3, 2 + 1]
+    assert hits == hits1 == hits2 == 2 * len(system) and tokens == tokens1 == tokens2
 
 
 def test_serve_cli_options():

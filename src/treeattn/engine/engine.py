@@ -107,6 +107,9 @@ class TreeEngine(SpeculativeSteps):
         captured at creation too (:meth:`prepare_graphs`; larger steps capture theirs at their
         first run). On an H200 each token-count bucket took ~90 ms, which a first beam search
         paid in its run (0.50 s against 0.42 s for the second).
+    prefill_tokens : int
+        Inside :meth:`batched_prefill`, the queued prefills run as soon as they hold this many new
+        tokens, which bounds one pass's activations (a longer prompt still runs in one pass).
     """
 
     def __init__(self, model, *, strategy: str = "auto", page_size: int = 16, kv_tokens: int = 65536,
@@ -114,7 +117,7 @@ class TreeEngine(SpeculativeSteps):
                  auto_refresh: int = 32, synchronize: bool = False, keep_reserved: bool = False,
                  pdl: bool | None = None, max_inflight: int | None = 2,
                  compile_workers: int | None = None, precompile: bool | None = None,
-                 graph_tokens: int = 128):
+                 graph_tokens: int = 128, prefill_tokens: int = 8192):
         c = model.config
         self.model, self.device = model, model.device
         self.pool = KVPool(-(-kv_tokens // page_size) + 2, page_size, model.num_kv_heads, c.head_dim,
@@ -166,6 +169,9 @@ class TreeEngine(SpeculativeSteps):
         # prefills whose forward pass is deferred (:meth:`batched_prefill`), and the nesting depth
         self._queued: list[_QueuedPrefill] = []
         self._batching = 0
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = int(prefill_tokens)
         self._win: Window | None = None
         # the next decode window, planned on a background thread: (nodes, own tokens at its first
         # step, steps, future host plan, its tree's KV tokens)
@@ -334,6 +340,8 @@ class TreeEngine(SpeculativeSteps):
         self._check_positions(pos)
         if self._batching and self.compute:
             self._queued.append(_QueuedPrefill(nodes, counts, ids, pos, slots, ctx))
+            if sum(q.ids.size for q in self._queued) >= self.prefill_tokens:
+                self.flush_prefill()
             return None
         self.flush_prefill()            # (a queued prefill may be this one's context)
         if self.compute:
