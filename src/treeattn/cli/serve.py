@@ -136,6 +136,7 @@ def serve_command(args) -> int:
         log.warning("--prefix-block %d is not a multiple of --page-size %d: cached blocks will "
                     "copy partly filled pages", args.prefix_block, args.page_size)
     model = load_model(args)
+    # graph_tokens: every batch's CUDA graphs at creation (a capture mid-serving stalls every request)
     engine = TreeEngine(model, strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens,
                         window=args.window, cuda_graphs=False if args.no_cuda_graphs else None,
                         keep_reserved=True, compile_workers=args.compile_workers,
@@ -146,8 +147,6 @@ def serve_command(args) -> int:
     engine.precompile_kernels()   # (a no-op where the engine compiled at creation, as on a GPU)
     if engine.compiled_launches:
         log.info("compiled the attention kernels in %.1f s", engine.compile_s)
-    # (the engine captured every decode batch's CUDA graphs at creation: a capture in the middle
-    # of serving stalls every running request)
     scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
                           block_tokens=args.prefix_block, prefill_chunk=args.prefill_chunk,
                           overlap=not args.no_overlap)
