@@ -17,7 +17,8 @@ in the same minutes of the machine (the first server started on a fresh machine 
 memory. ``--one-at-a-time`` runs each strategy's server alone instead (all its runs, then the
 next), for strategies whose pools do not fit the GPU together. Before the next run the script
 waits until the server is idle and records its own counters over the run (:func:`server_delta`:
-KV bytes that prefix-aware attention did not read, the prefix-cache hit rate, the mean batch).
+KV bytes that prefix-aware attention did not read, the prefix-cache hit rate, the mean batch, and
+the decode steps' wall and GPU times, mean / p50 / p99, with their ratio ``decode_wall_over_gpu``).
 
 Run ``i`` of a traffic uses request seed ``--request-seed + i`` for every strategy, so each
 strategy sees the same requests at a rate while no rate hits the prompts cached by the previous
@@ -512,6 +513,19 @@ def _fmt(s: dict) -> str:
             f"TPOT mean {ms(s['tpot']['mean_ms'])} P99 {ms(s['tpot']['p99_ms'])} ms")
 
 
+def _fmt_steps(d: dict) -> str:
+    """The run's decode step wall and GPU ms (mean, p50, p99) and their ratio, where measured."""
+    wall, gpu = d.get("decode_step_wall") or {}, d.get("decode_step_gpu") or {}
+    if wall.get("mean_ms") is None:
+        return ""
+
+    def ms(s):
+        return "-" if s.get("mean_ms") is None else f"{s['mean_ms']:.2f}/{s['p50_ms']:.2f}/{s['p99_ms']:.2f}"
+    ratio = d.get("decode_wall_over_gpu")
+    return (f" | decode step mean/p50/p99 wall {ms(wall)} GPU {ms(gpu)} ms"
+            + (f", wall/GPU {ratio:.2f}" if ratio is not None else ""))
+
+
 # ---------------------------------------------------------------------- sweep
 def warmup_requests(requests: list, choices: int, *, long: int = 0, input_len: int | None = None) -> list:
     """Warm-up requests made of one traffic's ``requests``, all arriving at once: the first ones
@@ -621,11 +635,12 @@ def main(argv=None) -> int:
             result["runs"].append(run)
             save()
             raise
-        run.update(summary=summary, wall_s=time.monotonic() - t0, server=server_delta(before, server_snapshot(url)),
+        run.update(summary=summary, wall_s=time.monotonic() - t0,
+                   server=server_delta(before, server_snapshot(url, since=before)),
                    **judge(summary, args.duration, args.max_ttft, args.min_throughput_ratio))
         result["runs"].append(run)
         save()
-        log.info("%s %s @ %s req/s: %s%s", name, traffic, rate, _fmt(summary),
+        log.info("%s %s @ %s req/s: %s%s%s", name, traffic, rate, _fmt(summary), _fmt_steps(run["server"]),
                  "" if run["sustained"] else f"  NOT sustained: {'; '.join(run['reasons'])}")
 
     def warm_all(name, server, end):

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -364,3 +365,62 @@ def test_stats_count_visible_and_unique_kv(one_thread, rng):
     assert apart["kv_visible_tokens"] == apart["kv_unique_tokens"] == shared["kv_visible_tokens"]
     assert shared["kv_visible_tokens"] - shared["kv_unique_tokens"] == 32 * (t - 1)
     assert shared["prefill_steps"] == 1 and shared["steps"] == t
+
+
+class _HostEvent:
+    """``torch.cuda.Event``'s timing calls on the host clock; waiting for one is an error."""
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def query(self):
+        return self.t is not None
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+    def synchronize(self):
+        raise AssertionError("the scheduler waited for an event")
+
+
+@pytest.mark.parametrize("timed", [False, True], ids=["cpu", "events"])
+def test_step_times(one_thread, rng, monkeypatch, timed):
+    """Every decode step's wall time; its GPU time only with CUDA events (none on a CPU), read
+    without waiting: ``events`` runs the CUDA path with host-clock events that raise if waited for."""
+    from treeattn.serve import SamplingParams
+
+    engine = TreeEngine(TreeModel.random("tiny"), kv_tokens=4096, page_size=16, keep_reserved=True)
+    sched = Scheduler(engine, block_tokens=16)
+    seen = []
+    sched.step_listeners.append(lambda *a: seen.append(a))
+    if timed:
+        def no_sync(*a, **k):
+            raise AssertionError("the scheduler synchronised the device")
+        monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+        monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+        sched._timed = True
+    t = 6
+    for n in (40, 24):          # queued before the engine thread starts: one admission for both
+        sched.submit(rng.integers(0, VOCAB, n).tolist(), SamplingParams(max_tokens=t, temperature=0, ignore_eos=True),
+                     lambda ev: None)
+    sched.start()
+    try:
+        s = _wait_idle(sched)
+        times, tail = sched.decode_times(), sched.decode_times(t - 3)
+    finally:
+        sched.stop()
+    assert s["steps"] == t and s["prefill_steps"] == 1 and s["decode_steps"] == t - 1
+    assert times["first"] == 0 and len(times["wall_ms"]) == len(times["gpu_ms"]) == t - 1
+    assert all(w >= 0 for w in times["wall_ms"]) and sum(times["wall_ms"]) == pytest.approx(s["decode_ms"])
+    assert [k for k, _, _ in seen] == ["prefill"] + ["decode"] * (t - 1)
+    assert [w * 1e3 for k, w, _ in seen if k == "decode"] == pytest.approx(times["wall_ms"])
+    if timed:       # each decode step: its forward pass (the step before) and its sampling
+        assert s["decode_gpu_steps"] == t - 1 and all(g > 0 for g in times["gpu_ms"])
+        assert sum(times["gpu_ms"]) == pytest.approx(s["decode_gpu_ms"])
+    else:
+        assert s["decode_gpu_steps"] == 0 and s["decode_gpu_ms"] == 0 and times["gpu_ms"] == [None] * (t - 1)
+    assert [g for k, _, g in seen] == [None] + [None if g is None else g / 1e3 for g in times["gpu_ms"]]
+    assert tail["first"] == t - 3 and tail["wall_ms"] == times["wall_ms"][t - 3:]

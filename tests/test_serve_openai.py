@@ -383,6 +383,16 @@ def test_metrics(server, client):
     assert vals["treeattn_time_per_output_token_seconds_count{}"] >= 2
     assert vals["treeattn_kv_read_saved_bytes_total{}"] > 0        # the n=2 choices share their prompt
     assert "treeattn_kv_pages_used" in text
+    # step times: every step observed once (the server is idle); no GPU time on a CPU
+    health = httpx.get(f"{server[1].url}/health", params={"decode_times_since": 0}, timeout=10).json()
+    assert vals["treeattn_decode_step_seconds_count{}"] == health["decode_steps"] > 0
+    assert vals["treeattn_prefill_step_seconds_count{}"] == health["prefill_steps"] > 0
+    assert vals["treeattn_decode_step_seconds_sum{}"] == pytest.approx(health["decode_ms"] / 1e3)
+    assert vals["treeattn_decode_step_gpu_seconds_count{}"] == health["decode_gpu_steps"] == 0
+    times = health["decode_times"]
+    assert times["first"] == 0 and len(times["wall_ms"]) == health["decode_steps"]
+    assert min(times["wall_ms"]) >= 0 and set(times["gpu_ms"]) == {None}
+    assert httpx.get(f"{server[1].url}/health", params={"decode_times_since": -1}, timeout=10).status_code == 422
 
 
 def _free_port():

@@ -104,6 +104,24 @@ def test_server_delta_derives_sharing_and_prefill_share(sweep):
     assert d["decode_step_ms"] == pytest.approx(150.0 / 15)           # 20 steps, 5 with a prefill
     assert d["prefill_share"] == pytest.approx((200.0 - 5 * 10.0) / 350.0)
     assert d["strategies"] == {"auto": 17}
+    assert "decode_step_wall" not in d and sweep._fmt_steps(d) == ""
+
+
+def test_server_delta_step_times(sweep):
+    """Mean / p50 / p99 of the run's decode steps; wall over GPU over the steps with a GPU time."""
+    before = {"steps": 10, "decode_steps": 8}
+    after = {"steps": 14, "decode_steps": 12,
+             "decode_times": {"first": 8, "wall_ms": [2.0, 4.0, 6.0, 8.0], "gpu_ms": [1.0, None, 3.0, 4.0]}}
+    d = sweep.server_delta(before, after)
+    assert d["decode_steps"] == 4
+    assert d["decode_step_wall"]["mean_ms"] == 5.0 and d["decode_step_wall"]["p50_ms"] == 5.0
+    assert d["decode_step_gpu"]["mean_ms"] == pytest.approx(8 / 3) and d["decode_step_gpu"]["p50_ms"] == 3.0
+    assert d["decode_step_gpu"]["p99_ms"] == pytest.approx(3.98)
+    assert d["decode_wall_over_gpu"] == 2.0                # (2 + 6 + 8) / (1 + 3 + 4)
+    assert "wall 5.00/5.00/7.94 GPU 2.67/3.00/3.98 ms, wall/GPU 2.00" in sweep._fmt_steps(d)
+    cpu = sweep.server_delta(before, {**after, "decode_times": {"first": 8, "wall_ms": [2.0], "gpu_ms": [None]}})
+    assert cpu["decode_step_gpu"]["mean_ms"] is None and "decode_wall_over_gpu" not in cpu
+    assert sweep._fmt_steps(cpu).endswith("GPU - ms")
 
 
 def test_server_command_passes_model_args(sweep):

@@ -425,8 +425,8 @@ async def replay(url: str, requests: list, *, model: str, timeout: float = 600.0
     return results, wall
 
 
-def _stats(values) -> dict:
-    a = np.asarray([v for v in values if v is not None], dtype=np.float64) * 1e3
+def _stats(values, *, scale: float = 1e3) -> dict:
+    a = np.asarray([v for v in values if v is not None], dtype=np.float64) * scale
     if not a.size:
         return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
     return {"mean_ms": float(a.mean()), "p50_ms": float(np.percentile(a, 50)),
@@ -453,17 +453,21 @@ def summarize(results: list, wall: float) -> dict:
             "latency": _stats(r["latency"] for r in ok), "errors": errors[:5]}
 
 
-def server_snapshot(url: str, *, client=None) -> dict | None:
+def server_snapshot(url: str, *, client=None, since: dict | None = None) -> dict | None:
     """A treeattn server's counters: its ``GET /health`` payload, plus ``kv_read_saved_bytes`` from
     ``GET /metrics`` where it serves one. None from a server without ``/health``. ``client``: an
-    ``httpx.Client`` to reuse (a new one costs an SSL context)."""
+    ``httpx.Client`` to reuse (a new one costs an SSL context). ``since``: an earlier snapshot; the
+    payload then holds ``decode_times``, the wall and GPU times of the decode steps since it."""
     import httpx
 
     if client is None:
         with httpx.Client(timeout=60, verify=_verify(url)) as c:
-            return server_snapshot(url, client=c)
+            return server_snapshot(url, client=c, since=since)
+    params = {}
+    if since and "decode_steps" in since:
+        params["decode_times_since"] = since["decode_steps"]
     try:
-        r = client.get(f"{url}/health")
+        r = client.get(f"{url}/health", params=params)
         out = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -487,14 +491,19 @@ def server_delta(before: dict | None, after: dict | None) -> dict:
     once saves (an upper bound of what prefix-aware attention can save); ``prefix_hit_rate``,
     prompt tokens found in the prefix cache over prompt tokens admitted; ``decode_step_ms``, the
     mean wall time between device waits without a prefill; ``prefill_share``, the share of the
-    timed wall time that prefills took, each prefill interval less one ``decode_step_ms``.
+    timed wall time that prefills took, each prefill interval less one ``decode_step_ms``. From
+    ``after``'s ``decode_times`` (:func:`server_snapshot` with ``since``): ``decode_step_wall``
+    and ``decode_step_gpu``, the mean / p50 / p99 wall and GPU ms of the run's decode steps (GPU:
+    those that have a GPU time, ``decode_gpu_steps`` of them; none on a CPU), and
+    ``decode_wall_over_gpu``, their wall time over their GPU time (the engine's host target:
+    at most 1.10).
     """
     if not before or not after:
         return {}
     out = {}
     for k in ("steps", "preemptions", "decoded_tokens", "prefix_hit_tokens", "prefill_tokens", "plan_ms",
               "kv_visible_tokens", "kv_unique_tokens", "prefill_ms", "prefill_steps", "decode_ms",
-              "kv_read_saved_bytes"):
+              "decode_steps", "decode_gpu_steps", "kv_read_saved_bytes"):
         if k in before and k in after:
             out[k] = after[k] - before[k]
     if out.get("steps"):
@@ -508,6 +517,14 @@ def server_delta(before: dict | None, after: dict | None) -> dict:
         step = out["decode_step_ms"] = out["decode_ms"] / (out["steps"] - out["prefill_steps"])
         total = out["prefill_ms"] + out["decode_ms"]
         out["prefill_share"] = max(0.0, out["prefill_ms"] - out["prefill_steps"] * step) / total
+    times = after.get("decode_times")
+    if times:
+        wall, gpu = np.asarray(times["wall_ms"], dtype=np.float64), times["gpu_ms"]
+        timed = np.asarray([g is not None for g in gpu], dtype=bool)
+        out["decode_step_wall"] = _stats(wall, scale=1.0)
+        out["decode_step_gpu"] = _stats(gpu, scale=1.0)
+        if timed.any():
+            out["decode_wall_over_gpu"] = float(wall[timed].sum() / sum(g for g in gpu if g is not None))
     if "strategies" in after:
         b = before.get("strategies", {})
         out["strategies"] = {k: v - b.get(k, 0) for k, v in after["strategies"].items() if v - b.get(k, 0)}

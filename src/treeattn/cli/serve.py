@@ -196,7 +196,18 @@ def _fmt_server(d: dict) -> list:
                    + (f", {saved / 1e9:.2f} GB not read" if saved is not None else ""))
     if "prefix_hit_rate" in d:
         out.append(f"prefix     {d['prefix_hit_rate']:.1%} of prompt tokens found in the cache")
+    if "decode_step_wall" in d:
+        out.append(f"step wall  {_fmt_step(d['decode_step_wall'])}  (decode steps)")
+        ratio = d.get("decode_wall_over_gpu")
+        out.append(f"step GPU   {_fmt_step(d['decode_step_gpu'])}"
+                   + (f"  wall / GPU {ratio:.2f}" if ratio is not None else "  (no GPU time on this device)"))
     return out
+
+
+def _fmt_step(s: dict) -> str:
+    if s["mean_ms"] is None:
+        return "n/a"
+    return f"mean {s['mean_ms']:.2f} ms   p50 {s['p50_ms']:.2f} ms   P99 {s['p99_ms']:.2f} ms"
 
 
 def traffic_options(args) -> dict:

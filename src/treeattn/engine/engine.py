@@ -362,7 +362,7 @@ class TreeEngine(SpeculativeSteps):
             return self.model.prefill(tokens, positions, slots, contexts[0], self.kv.caches)[None]
         return self.model.prefill(tokens, positions, slots, contexts, self.kv.caches, lengths=lengths)
 
-    def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
+    def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1, events: tuple | None = None) -> torch.Tensor:
         """One new token for each leaf of ``nodes``; returns float32 logits ``[n, vocab]``.
 
         Parameters
@@ -374,6 +374,11 @@ class TreeEngine(SpeculativeSteps):
             The controller promises these same leaves get one token per step for this many steps
             (this one included); up to ``window`` of them share one plan. A broken promise only
             costs a re-plan.
+        events : pair of torch.cuda.Event, optional
+            Recorded right before and right after the forward pass is enqueued, after the host's
+            bookkeeping and planning: their elapsed time is the forward's GPU time, without the
+            host's planning even when the GPU waited for it (CUDA; not recorded by a step that
+            skips the model).
         """
         self.flush_prefill()
         t0 = time.perf_counter()
@@ -412,7 +417,7 @@ class TreeEngine(SpeculativeSteps):
         mine = sum(own)
         sliding, sliding_ms = self._sliding_plan(pos, lambda: self.tree.decoding_tree(nodes))
         logits = self._forward(tokens, pos, slots, w.plan, "decode", t0, plan_ms + sliding_ms, w.tokens,
-                               (w.above[0] + mine, w.above[1] + mine), sliding=sliding)
+                               (w.above[0] + mine, w.above[1] + mine), sliding=sliding, events=events)
         for i, n in enumerate(nodes):
             self._logits[n] = (logits, i)
         return logits
@@ -506,7 +511,7 @@ class TreeEngine(SpeculativeSteps):
         return logits
 
     def _forward(self, tokens, pos, slots, plan, kind, t0, plan_ms, tree_tokens,
-                 seen=(0, 0), *, sliding=None) -> torch.Tensor:
+                 seen=(0, 0), *, sliding=None, events=None) -> torch.Tensor:
         t1 = time.perf_counter()
         n = len(pos)
         if self.compute:
@@ -514,7 +519,11 @@ class TreeEngine(SpeculativeSteps):
             while bounded and len(self._inflight) >= self.max_inflight:
                 self._inflight.popleft().synchronize()
             self._fire("forward_begin")
+            if events is not None:
+                events[0].record()
             logits = self._run_model(tokens, pos, slots, plan, sliding)
+            if events is not None:
+                events[1].record()
             self._fire("forward_end")
             if bounded:
                 self._inflight.append(torch.cuda.Event())

@@ -201,7 +201,7 @@ class ShardedTreeEngine(TreeEngine):
         """Nothing (False): a sharded engine plans every step in :meth:`decode`."""
         return False
 
-    def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1) -> torch.Tensor:
+    def decode(self, nodes, tokens: torch.Tensor, *, horizon: int = 1, events: tuple | None = None) -> torch.Tensor:
         """One new token for each leaf of ``nodes`` (see :meth:`TreeEngine.decode`); ``horizon``
         is ignored (one plan per step)."""
         self.flush_prefill()
@@ -222,7 +222,7 @@ class ShardedTreeEngine(TreeEngine):
                                  page_size=self.pool.page_size, num_slots=self.pool.num_slots)
         plan_ms = (time.perf_counter() - t1) * 1e3
         logits = self._forward(tokens, pos, slots, self._lplan.plan, "decode", t0, plan_ms,
-                               int(lengths.sum()))
+                               int(lengths.sum()), events=events)
         for i, n in enumerate(nodes):
             self._logits[n] = (logits, i)
         return logits

@@ -35,10 +35,19 @@ for all of them, attention runs per prompt. A prompt may match blocks another pr
 iteration just cached (a new system prompt shared by both): the pass writes every prompt's K/V of a
 layer before any of them attends in it.
 
-The loop waits for the device once per step, when the sampled tokens come to the host; the wall
-time between two such waits (or from an idle wake-up) is counted as ``prefill_ms`` when the loop
-issued a prefill in it (the interval also holds one decode step) and as ``decode_ms`` otherwise, so
-no synchronisation is added to time them.
+**Step times.** The loop waits for the device once per step, when the sampled tokens come to the
+host; the wall time between two such waits (or from an idle wake-up) is counted as ``prefill_ms``
+when the loop issued a prefill in it (the interval also holds one decode step) and as ``decode_ms``
+otherwise, so no synchronisation is added to time them. On a GPU a decode step's GPU time is that
+of its forward pass (CUDA events around its launch, after the host planned it, see
+:meth:`~treeattn.engine.TreeEngine.decode`) plus that of sampling its logits (events around
+:func:`~treeattn.serve.sampling.choose_tokens`); both events pairs precede the copy of the step's
+tokens, so they are read (``Event.query``, ``elapsed_time``) once the tokens came, without another
+wait. Only the host's work inside a pair (launching the sampling kernels, the graph's input
+copies) counts as GPU time when the GPU waits for it; the rest of the host's work (reading
+tokens, stop checks, planning) does not, so ``wall / GPU`` shows how far the host holds the GPU
+back. :meth:`Scheduler.decode_times` keeps both for the latest decode steps; ``step_listeners``
+see every step's.
 """
 from __future__ import annotations
 
@@ -64,6 +73,9 @@ from treeattn.serve.sampling import RowOptions, choose_tokens
 __all__ = ["SamplingParams", "Request", "Scheduler", "QueueFull", "Event"]
 
 log = logging.getLogger(__name__)
+
+#: decode steps whose wall and GPU times :meth:`Scheduler.decode_times` keeps (the latest)
+_DECODE_TIMES = 1 << 16
 
 
 class QueueFull(RuntimeError):
@@ -165,6 +177,18 @@ class _HostCopy:
         return tuple(None if t is None else t.tolist() for t in self._parts)
 
 
+def _timing_events() -> tuple:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
+def _elapsed_ms(*pairs) -> float | None:
+    """GPU milliseconds between the events of each recorded pair, summed; None when a pair is
+    missing or has not completed (never waited for)."""
+    if any(p is None for p in pairs) or not all(end.query() for _, end in pairs):
+        return None
+    return sum(start.elapsed_time(end) for start, end in pairs)
+
+
 class Scheduler:
     """Continuous batching over one engine, driven by its own thread.
 
@@ -185,6 +209,14 @@ class Scheduler:
     overlap : bool
         Enqueue decode step ``t + 1`` before reading step ``t``'s tokens (see the module). False:
         read them first (the host's work of a step then leaves the GPU idle); for comparisons.
+
+    Attributes
+    ----------
+    step_listeners : list of callable
+        Each is called on the engine thread after every step with ``(kind, wall_s, gpu_s)``:
+        ``kind`` "decode" or "prefill" (the step's interval prefilled), its wall seconds and a
+        decode step's GPU seconds (None on a CPU, for a prefill, or when not measured; see the
+        module). They must be quick and not raise: the next step waits for them.
     """
 
     def __init__(self, engine, *, max_queue: int = 256, max_batch: int = 64, block_tokens: int = 64,
@@ -218,6 +250,13 @@ class Scheduler:
         self.prefill_steps = 0                # steps whose interval prefilled
         self.prefill_chunks = 0               # partial chunks of long prompts prefilled
         self.decode_ms = 0.0                  # wall time between device waits that only decoded
+        self.decode_steps = 0                 # steps whose interval only decoded
+        self.decode_gpu_ms = 0.0              # GPU time of the decode steps measured (CUDA)
+        self.decode_gpu_steps = 0             # decode steps with a GPU time
+        self.step_listeners: list = []
+        self._decode_times: deque = deque(maxlen=_DECODE_TIMES)   # (wall_ms, gpu_ms or None)
+        self._timed = engine.device.type == "cuda"
+        self._forward_events = None           # the pair around the decode forward enqueued last
         self._synced = time.perf_counter()    # the last device wait (or idle wake-up)
         self._synced_miss = 0                 # the cache's prefilled tokens at that time
 
@@ -305,8 +344,10 @@ class Scheduler:
         Besides the counters of the class: ``kv_visible_tokens`` and ``kv_unique_tokens`` sum,
         over decode steps, the KV tokens the step's queries see (per query: what attention
         without prefix sharing reads) and the distinct ones (what attention reading each shared
-        token once reads); ``prefill_ms``, ``prefill_steps`` and ``decode_ms``: see the module;
-        ``prefill_chunks``: chunks of long prompts prefilled before their last one.
+        token once reads); ``prefill_ms``, ``prefill_steps``, ``decode_ms`` and ``decode_steps``:
+        see the module; ``decode_gpu_ms`` and ``decode_gpu_steps``: the GPU time of the decode
+        steps that have one and their number (0 on a CPU); ``prefill_chunks``: chunks of long
+        prompts prefilled before their last one.
         """
         def read():
             pool, c = self.engine.pool, self.cache
@@ -316,10 +357,31 @@ class Scheduler:
                     "plan_ms": self.plan_ms, "kv_visible_tokens": self.kv_visible,
                     "kv_unique_tokens": self.kv_unique, "prefill_ms": self.prefill_ms,
                     "prefill_steps": self.prefill_steps, "decode_ms": self.decode_ms,
-                    "prefill_chunks": self.prefill_chunks,
+                    "decode_steps": self.decode_steps, "decode_gpu_ms": self.decode_gpu_ms,
+                    "decode_gpu_steps": self.decode_gpu_steps, "prefill_chunks": self.prefill_chunks,
                     "free_pages": pool.num_free_pages,
                     "num_pages": pool.num_pages, "cached_blocks": c.num_nodes,
                     "prefix_hit_tokens": c.hit_tokens, "prefill_tokens": c.miss_tokens}
+        return self.call(read)
+
+    def decode_times(self, since: int = 0) -> dict:
+        """Wall and GPU milliseconds of decode steps ``since`` (0-based, counted as
+        ``decode_steps``) to now, as far as kept (the latest 65536).
+
+        Returns
+        -------
+        dict
+            ``first``: the index of the first step returned; ``wall_ms``: list of float;
+            ``gpu_ms``: list of float or None (no GPU time), one per step.
+        """
+        if since < 0:
+            raise ValueError(f"since must be >= 0, got {since}")
+
+        def read():
+            first = self.decode_steps - len(self._decode_times)
+            skip = max(0, since - first)
+            rows = list(itertools.islice(self._decode_times, skip, None))
+            return {"first": first + skip, "wall_ms": [w for w, _ in rows], "gpu_ms": [g for _, g in rows]}
         return self.call(read)
 
     def flush_cache(self) -> int:
@@ -343,6 +405,7 @@ class Scheduler:
             self._run_calls()
             if not self._running:         # no decode in flight: the next interval starts now
                 self._synced = time.perf_counter()
+                self._forward_events = None
             try:
                 self._admit()
                 if self._running:
@@ -613,8 +676,15 @@ class Scheduler:
         self.decoded += len(order)
         self.max_batch_seen = max(self.max_batch_seen, len(order))
         leaves = [req.leaves[i] for req, i in order]
-        choice = choose_tokens(eng.logits_for(leaves), self._options(order))
-        pending = _HostCopy(choice)
+        logits, options = eng.logits_for(leaves), self._options(order)
+        sampling = _timing_events() if self._timed else None
+        if sampling is not None:
+            sampling[0].record()
+        choice = choose_tokens(logits, options)
+        if sampling is not None:
+            sampling[1].record()
+        pending = _HostCopy(choice)          # (behind both pairs of this step's events)
+        forward, self._forward_events = self._forward_events, None
         # tokens each row may take after this one (0: it reaches max_tokens now)
         left = [req.params.max_tokens - len(req.outputs[i]) - 1 for req, i in order]
         going = [r for r, n in enumerate(left) if n > 0]
@@ -624,7 +694,7 @@ class Scheduler:
                 tokens = tokens.index_select(0, upload(np.asarray(going), eng.device))
             self._decode(order, going, tokens, left)
         host, lps, top_ids, top_values = pending.wait()
-        self._count_interval()
+        self._count_interval(_elapsed_ms(forward, sampling))
         events = {}
         for r, ((req, i), tok) in enumerate(zip(order, host)):
             p = req.params
@@ -660,8 +730,10 @@ class Scheduler:
     def _decode(self, order: list, rows: list, tokens: torch.Tensor, left: list) -> None:
         """Enqueue the decode step of rows ``rows`` of ``order`` with their sampled ``tokens``
         (device int64 ``[len(rows)]``); ``left``: tokens each row of ``order`` may take after them."""
+        events = _timing_events() if self._timed else None
         self.engine.decode([order[r][0].leaves[order[r][1]] for r in rows], tokens,
-                           horizon=min(left[r] for r in rows))
+                           horizon=min(left[r] for r in rows), events=events)
+        self._forward_events = events
 
     def _fold_stats(self) -> None:
         """Fold the engine's per-step StepStats into counters, so that a long-running server does
@@ -675,13 +747,23 @@ class Scheduler:
             self.kv_unique += st.unique_tokens
         eng.stats.clear()
 
-    def _count_interval(self) -> None:
-        """Add the wall time since the last device wait to ``prefill_ms`` or ``decode_ms``."""
+    def _count_interval(self, gpu_ms: float | None) -> None:
+        """Add the wall time since the last device wait to ``prefill_ms`` or ``decode_ms``, and a
+        decode step's ``gpu_ms`` (None: not measured) to its counters; tell the listeners."""
         now, miss = time.perf_counter(), self.cache.miss_tokens
         ms = (now - self._synced) * 1e3
         if miss != self._synced_miss:
+            kind, gpu_ms = "prefill", None
             self.prefill_ms += ms
             self.prefill_steps += 1
         else:
+            kind = "decode"
             self.decode_ms += ms
+            self.decode_steps += 1
+            self._decode_times.append((ms, gpu_ms))
+            if gpu_ms is not None:
+                self.decode_gpu_ms += gpu_ms
+                self.decode_gpu_steps += 1
         self._synced, self._synced_miss = now, miss
+        for fn in self.step_listeners:
+            fn(kind, ms / 1e3, None if gpu_ms is None else gpu_ms / 1e3)

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of a :class:`Scheduler`.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream`` as server-sent events),
-``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus, with ``prometheus-client``).
+``GET /v1/models``, ``GET /health`` (the scheduler's counters; ``?decode_times_since=N`` adds the
+wall and GPU times of decode steps ``N`` on, :meth:`Scheduler.decode_times`) and ``GET /metrics``
+(Prometheus, with ``prometheus-client``).
 Each request gets an asyncio queue that the engine thread feeds through
 ``loop.call_soon_threadsafe``. A client that disconnects is aborted before the engine's next step,
 which frees its KV pages: a stream's generator is cancelled by Starlette, a non-streaming request
@@ -20,7 +22,7 @@ import time
 import uuid
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
@@ -79,9 +81,15 @@ class _Gate:
         await self.app(scope, receive, send)
 
 
+#: upper bounds (s) of the step-time histograms' buckets
+_STEP_BUCKETS = (.001, .002, .003, .004, .005, .006, .008, .01, .0125, .015, .02, .025, .03, .04, .05, .075, .1,
+                 .25, .5, 1, 2.5)
+
+
 class _Metrics:
     """Prometheus metrics of one app, in its own registry: the scheduler's gauges and counters
-    read at scrape time, and the server's latency histograms and finish counters."""
+    read at scrape time, the server's latency histograms and finish counters, and the step-time
+    histograms the scheduler feeds after every step (:attr:`Scheduler.step_listeners`)."""
 
     def __init__(self, scheduler: Scheduler):
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -96,7 +104,23 @@ class _Metrics:
         self.finished = Counter("treeattn_request_finished", "choices finished, by finish reason "
                                 "(stop, length; abort: client gone; error)", ["finish_reason"],
                                 registry=self.registry)
+        self.step_wall = {
+            "decode": Histogram("treeattn_decode_step_seconds", "wall time of a decode step (between two "
+                                "waits for sampled tokens, no prefill between them)", registry=self.registry,
+                                buckets=_STEP_BUCKETS),
+            "prefill": Histogram("treeattn_prefill_step_seconds", "wall time of a step that prefilled (between "
+                                 "two waits for sampled tokens; it holds a decode step too)",
+                                 registry=self.registry, buckets=_STEP_BUCKETS)}
+        self.step_gpu = Histogram("treeattn_decode_step_gpu_seconds", "GPU time of a decode step (its forward "
+                                  "pass and sampling, CUDA events; none on a CPU)", registry=self.registry,
+                                  buckets=_STEP_BUCKETS)
         self.registry.register(_SchedulerCollector(scheduler))
+        scheduler.step_listeners.append(self.observe_step)
+
+    def observe_step(self, kind: str, wall_s: float, gpu_s: float | None) -> None:
+        self.step_wall[kind].observe(wall_s)
+        if gpu_s is not None:
+            self.step_gpu.observe(gpu_s)
 
     def render(self) -> tuple:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -246,8 +270,11 @@ def create_app(scheduler: Scheduler, *, model_name: str, tokenizer=None, max_mod
         return scheduler.pages_needed(prompt_len, max_tokens, n) <= scheduler.capacity_pages
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", **await asyncio.to_thread(scheduler.stats)}
+    async def health(decode_times_since: int | None = Query(None, ge=0)) -> dict:
+        out = {"status": "ok", **await asyncio.to_thread(scheduler.stats)}
+        if decode_times_since is not None:
+            out["decode_times"] = await asyncio.to_thread(scheduler.decode_times, decode_times_since)
+        return out
 
     if meter is not None:
         @app.get("/metrics")
