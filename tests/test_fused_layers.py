@@ -216,32 +216,3 @@ def test_output_buffers_of_the_pieces(device, fz):
     o = torch.randn(n, c.num_heads, c.head_dim, device=device)
     h_new = model.post_attention(0, h, o)
     assert model.post_attention(0, h, o, out=h) is h and torch.equal(h, h_new)
-
-
-@pytest.mark.parametrize("fz", [False, True])
-def test_deferred_residual_equals_the_plain_pieces(device, fz):
-    """A layer's last residual add left to the next norm (``defer_residual``, ``delta``: what the
-    decode graphs run) gives the hidden state, queries and logits of the plain pieces, with ``out``
-    given (in place, the graphs' static buffer) or not."""
-    model = TreeModel.random("tiny", device=device, fused=fz)
-    c, n = model.config, 3
-    model.ensure_positions(16)
-    caches = [(torch.zeros(16, c.num_kv_heads, c.head_dim, device=device),
-               torch.zeros(16, c.num_kv_heads, c.head_dim, device=device)) for _ in range(c.num_layers)]
-    pos, slots = torch.tensor([3, 4, 4], device=device), torch.tensor([7, 2, 9], device=device)
-    h = torch.randn(n, c.hidden_size, device=device)
-    o = torch.randn(n, c.num_heads, c.head_dim, device=device)
-    h_plain = model.post_attention(0, h.clone(), o)
-    q_plain, _, _ = model.pre_attention(1, h_plain, pos, slots, caches)
-    logits_plain = model.logits(h_plain)
-    for out in (None, h.clone()):
-        hd, d = model.post_attention(0, h.clone() if out is None else out, o, out=out, defer_residual=True)
-        assert (d is not None) == fz
-        assert out is None or hd is out
-        q, _, _ = model.pre_attention(1, hd, pos, slots, caches, delta=d)
-        assert_close(hd, h_plain)
-        assert_close(q, q_plain)
-        hd2, d2 = model.post_attention(0, h.clone(), o, defer_residual=True)
-        buf = torch.full((n, c.vocab_size), float("nan"), device=device)
-        assert model.logits(hd2, delta=d2, out=buf) is buf
-        assert_close(buf, logits_plain)

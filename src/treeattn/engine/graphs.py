@@ -85,16 +85,14 @@ class DecodeGraphs:
             h.copy_(model.embed(tok))
             model.pre_attention(0, h, pos, slots, caches, q_out=q)
 
-        # each layer's last residual add runs in the next norm's kernel (defer_residual)
         def middle(layer):
             def seg():
-                _, d = model.post_attention(layer, h, o, out=h, defer_residual=True)
-                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q, delta=d)
+                model.post_attention(layer, h, o, out=h)
+                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q)
             return seg
 
         def final():
-            _, d = model.post_attention(last, h, o, out=h, defer_residual=True)
-            model.logits(h, delta=d, out=logits)
+            logits.copy_(model.logits(model.post_attention(last, h, o)))
 
         return [first] + [middle(layer) for layer in range(last)] + [final]
 

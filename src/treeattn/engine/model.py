@@ -186,15 +186,6 @@ class TreeModel:
             return gemma_rms_norm(x, weight, c.rms_norm_eps)
         return (fused.rms_norm if self.fused else rms_norm)(x, weight, c.rms_norm_eps)
 
-    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        """``h += delta`` in place (a pending residual, see :meth:`post_attention`), then
-        :meth:`_norm` of ``h``: one kernel where fused."""
-        if delta is None:
-            return self._norm(h, weight)
-        if self.fused and not self.config.gemma:
-            return fused.add_rms_norm(h, delta, weight, self.config.rms_norm_eps, h_out=h)[1]
-        return self._norm(h.add_(delta), weight)
-
     def _qk_norm(self, qkv: torch.Tensor, w) -> torch.Tensor:
         """``qkv [n, q + 2 kv]`` with every query and key head RMS-normed (Qwen3, Gemma 3)."""
         c, n = self.config, qkv.shape[0]
@@ -205,21 +196,18 @@ class TreeModel:
         return torch.cat((q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v), dim=-1)
 
     def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      caches, *, q_out: torch.Tensor | None = None, delta: torch.Tensor | None = None
+                      caches, *, q_out: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm, q/k/v projection and RoPE of ``h [n, hidden]`` at ``positions`` int64 ``[n]``; K/V
         are written to ``slots`` int64 ``[n]`` of the layer's cache. Returns ``(q [n, Hq, D], k, v
         [n, Hkv, D])``; ``q`` is written into ``q_out [n, Hq, D]`` (and returned) when given.
-        ``delta [n, hidden]``, optional: the previous layer's residual still to add
-        (:meth:`post_attention` with ``defer_residual``); ``h += delta`` runs in place, in the norm's
-        kernel.
 
         Fused (Llama-like layers): 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
         c, w = self.config, self.weights.layers[layer]
         n = h.shape[0]
         kc, vc = caches[layer]
         cos, sin = self._rope(layer)
-        qkv = F.linear(self._add_norm(h, delta, w.attn_norm), w.qkv, w.qkv_bias)
+        qkv = F.linear(self._norm(h, w.attn_norm), w.qkv, w.qkv_bias)
         if c.qk_norm:
             qkv = self._qk_norm(qkv, w)
         if self.fused:
@@ -237,15 +225,12 @@ class TreeModel:
         return q, k, v
 
     def post_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor, *,
-                       out: torch.Tensor | None = None, defer_residual: bool = False):
+                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Output projection of the attention result ``o [n, Hq, D]``, residual, MLP, residual.
         Returns the new ``h [n, hidden]``, written into ``out`` when given (``out`` may be ``h``).
 
         Fused (Llama-like layers): 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add);
-        unfused: about 15. With ``defer_residual`` it returns ``(h, d)``, the new hidden state being
-        ``h + d``: the last residual add is left to the next norm (``delta`` of :meth:`pre_attention`
-        or :meth:`logits`), which runs it in its own kernel. ``d`` is None where nothing is left
-        (unfused layers, Gemma's)."""
+        unfused: about 15."""
         c, w = self.config, self.weights.layers[layer]
         a = F.linear(o.reshape(h.shape[0], self.q_size), w.o, w.o_bias)
         if self.tp is not None:
@@ -254,23 +239,17 @@ class TreeModel:
             h = h + gemma_rms_norm(a, w.attn_out_norm, c.rms_norm_eps)
             d = self._mlp(gemma_rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
             h = h + gemma_rms_norm(d, w.mlp_out_norm, c.rms_norm_eps)
-            h = h if out is None else out.copy_(h)
-            return (h, None) if defer_residual else h
+            return h if out is None else out.copy_(h)
         if self.fused and c.hidden_act == "silu":
-            # (the sum goes to ``out`` right away when deferring: the caller's next norm adds d there)
-            h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps,
-                                      h_out=out if defer_residual and out is not None else a)
+            h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
             act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
             d = F.linear(act, w.down, w.down_bias)
             if self.tp is not None:
                 self.tp.all_reduce(d)
-            if defer_residual:
-                return h, d
             return torch.add(h, d, out=out) if out is not None else h.add_(d)
         h = h + a
         h = h + self._mlp(rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
-        h = h if out is None else out.copy_(h)
-        return (h, None) if defer_residual else h
+        return h if out is None else out.copy_(h)
 
     def _mlp(self, x: torch.Tensor, w) -> torch.Tensor:
         """The gated MLP of ``x [n, hidden]``: SwiGLU, or GeGLU with tanh-approximated GELU."""
@@ -279,16 +258,11 @@ class TreeModel:
         d = F.linear(act * up, w.down, w.down_bias)
         return d if self.tp is None else self.tp.all_reduce(d)
 
-    def logits(self, h: torch.Tensor, *, delta: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and LM head: ``h [n, hidden]`` (plus a pending residual ``delta``, added to
-        ``h`` in place, as in :meth:`pre_attention`) -> float32 logits ``[n, vocab]`` (a TP rank's
-        vocabulary slices all-gathered), written into ``out`` when given."""
-        y = F.linear(self._add_norm(h, delta, self.weights.norm), self.weights.lm_head)
-        if self.tp is not None:
-            y = self.tp.gather(y.float())
-        # (one conversion pass straight into ``out``: no float32 copy in between)
-        return y.float() if out is None else out.copy_(y)
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]`` (a TP rank's
+        vocabulary slices all-gathered)."""
+        out = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head).float()
+        return out if self.tp is None else self.tp.gather(out)
 
     # ------------------------------------------------------------------ passes
     @torch.no_grad()
@@ -307,11 +281,11 @@ class TreeModel:
         -------
         float32 logits ``[n, vocab]``.
         """
-        h, d = self.embed(tokens), None
+        h = self.embed(tokens)
         for layer in range(self.config.num_layers):
-            q, _, _ = self.pre_attention(layer, h, positions, slots, caches, delta=d)
-            h, d = self.post_attention(layer, h, attend(layer, q), defer_residual=True)
-        return self.logits(h, delta=d)
+            q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
+            h = self.post_attention(layer, h, attend(layer, q))
+        return self.logits(h)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -360,11 +334,11 @@ class TreeModel:
         for ctx, n in zip(contexts, lengths):
             segments.append((start, start + n, self._prefill_keys(ctx, slots[start:start + n])))
             start += n
-        h, d = self.embed(tokens), None
+        h = self.embed(tokens)
         with sdpa_kernel(list(_PREFILL_BACKENDS)):
             for layer in range(c.num_layers):
                 # all segments' K/V of this layer are in the cache before any of them attends
-                q, _, _ = self.pre_attention(layer, h, positions, slots, caches, delta=d)
+                q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
                 kc, vc = caches[layer]
                 win = c.layer_window(layer)
                 outs = []
@@ -375,10 +349,7 @@ class TreeModel:
                     o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                        v.transpose(0, 1)[None], attn_mask=mask, scale=c.sm_scale)
                     outs.append(o[0].transpose(0, 1))
-                h, d = self.post_attention(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs),
-                                           defer_residual=True)
-        if d is not None:
-            h = h.add_(d)
+                h = self.post_attention(layer, h, outs[0] if len(outs) == 1 else torch.cat(outs))
         if all_logits:
             return self.logits(h)
         if single:
