@@ -180,6 +180,41 @@ def test_branch_prune_and_cascade_free_pages():
         tree.prune(b)
 
 
+def test_decoding_tree_merges_chains_without_queries():
+    """A prompt cached in blocks (a chain of single-child nodes) is one node of the decoding tree;
+    every query still sees its whole path, in order, and keeps its own node and window slots."""
+    pool = KVPool(64, 4, 1, 8, num_layers=1, dtype=torch.float32)
+    kv = KVCacheManager(pool)
+    tree = SequenceTree(kv)
+    root = tree.add_root()
+    tree.extend(root, list(range(5)))
+    chain = [root]
+    for i in range(3):                                   # root -> b0 -> b1 -> b2, blocks of 3
+        (nxt,) = tree.branch(chain[-1], 1)
+        tree.extend(nxt, [10 + i] * 3)
+        chain.append(nxt)
+    x, y = tree.branch(chain[-1], 2)                     # a branch point, then a chain below x
+    tree.extend(x, [7, 7])
+    (x2,) = tree.branch(x, 1)
+    tree.extend(x2, [8])
+    (q1,) = tree.branch(x2, 1)
+    tree.extend(q1, [1])
+    tree.extend(y, [2])
+    extra = {q1: kv.reserve(q1, 2)}
+    dt = tree.decoding_tree([q1, y], extra=extra)
+    assert dt.num_nodes == 4                            # root+b0..b2 | x+x2 | q1 | y
+    assert dt.num_tokens == 14 + 3 + 3 + 1
+    for j, q in enumerate((q1, y)):
+        owner, nodes = dt.paths(np.array([dt.query_nodes[j]]))
+        seen = np.concatenate([dt.kv_indices[dt.kv_indptr[n]: dt.kv_indptr[n + 1]] for n in nodes])
+        want = np.concatenate((tree.path_slots(q), extra.get(q, np.zeros(0, dtype=np.int64))))
+        assert np.array_equal(seen, want)
+        assert dt.lengths[dt.query_nodes[j]] == kv.num_tokens(q) + extra.get(q, np.zeros(0)).size
+    # a query inside the chain keeps its node: nothing above it merges into it
+    dt = tree.decoding_tree([chain[2], q1])
+    assert dt.num_nodes == 4 and dt.lengths[dt.query_nodes[0]] == 3    # root+b0 | b1 | b2+x+x2 | q1
+
+
 def test_reserved_slots_become_tokens_or_holes():
     pool = KVPool(32, 4, 1, 8, num_layers=2, dtype=torch.float32)
     kv = KVCacheManager(pool)

@@ -99,6 +99,7 @@ class SequenceTree:
         self._log = _TokenLog()
         self.results: list = []
         self._last_tree: DecodingTree | None = None  # shares its structure with the next one
+        self._chain_slots: dict[tuple, np.ndarray] = {}     # merged chains' slots (decoding_tree)
 
     # ------------------------------------------------------------------ topology
     def _get(self, node: int) -> _Node:
@@ -281,6 +282,46 @@ class SequenceTree:
             node = self._nodes[node].parent
         return np.concatenate(chain[::-1]) if chain else np.zeros(0, dtype=np.int64)
 
+    def _chains(self, order: list, index: dict, query_nodes, anchor) -> tuple:
+        """Merge the chains of single-child nodes that hold no query (a prompt cached in blocks is
+        one node a block) into one node each, for a decoding tree whose nodes are ``order``.
+
+        Returns ``(order, merged, top)``: the nodes left; for a node that absorbed descendants, its
+        chain top-down (itself first); and the node each absorbed one went to. ``index`` is
+        rewritten for the nodes left. An absorbed node's tokens follow its parent's, so every query
+        sees the same tokens in the same order; a query's node keeps its own tokens only (what
+        ``extra`` and the decode windows' prefixes count). Fewer, longer nodes make cheaper plans
+        and longer work items."""
+        keep = set(query_nodes)
+        if anchor is not None:
+            keep.add(anchor)
+        count: dict[int, int] = {}
+        child: dict[int, int] = {}          # a node's child here (its only one where count is 1)
+        for n in order:
+            p = self._nodes[n].parent
+            if p is not None:
+                count[p] = count.get(p, 0) + 1
+                child[p] = n
+
+        def absorbs(p: int) -> bool:        # p's one child here merges into p
+            return count.get(p) == 1 and p not in keep and child[p] not in keep
+
+        merged: dict[int, list] = {}
+        top: dict[int, int] = {}
+        for t in order:
+            if absorbs(t) and not ((p := self._nodes[t].parent) is not None and absorbs(p)):
+                chain = [t]
+                while absorbs(chain[-1]):
+                    chain.append(child[chain[-1]])
+                merged[t] = chain
+                top.update((m, t) for m in chain[1:])
+        if not merged:
+            return order, merged, top
+        left = [n for n in order if n not in top]
+        index.clear()
+        index.update((n, i) for i, n in enumerate(left))
+        return left, merged, top
+
     def decoding_tree(self, query_nodes, *, extra=None, drafts=None) -> DecodingTree:
         """The :class:`~treeattn.DecodingTree` that ``query_nodes`` see.
 
@@ -304,9 +345,21 @@ class SequenceTree:
                 index[n] = len(order)
                 order.append(n)
                 n = self._nodes[n].parent
-        parents = [index[self._nodes[n].parent] if self._nodes[n].parent is not None else -1 for n in order]
-        chunks = [self.kv.own_slots(n) if n not in extra else
-                  np.concatenate((self.kv.own_slots(n), extra[n])) for n in order]
+        order, merged, top = self._chains(order, index, query_nodes, drafts[0] if drafts is not None else None)
+        parents = [-1 if (p := self._nodes[n].parent) is None else index[top.get(p, p)] for n in order]
+        # a chain's slots are fixed while it exists (its nodes have children, so they no longer
+        # grow): kept from the call before, where a serving batch's cached prompts recur
+        cache, self._chain_slots = self._chain_slots, {}
+        chunks = []
+        for n in order:
+            c = self.kv.own_slots(n)
+            if n in merged:
+                key = tuple(merged[n])
+                c = cache.get(key)
+                if c is None:
+                    c = np.concatenate([self.kv.own_slots(m) for m in key])
+                self._chain_slots[key] = c
+            chunks.append(np.concatenate((c, extra[n])) if n in extra else c)
         lengths = [c.size for c in chunks]
         qn = [index[q] for q in query_nodes]
         if drafts is not None:
