@@ -282,9 +282,10 @@ class SequenceTree:
             node = self._nodes[node].parent
         return np.concatenate(chain[::-1]) if chain else np.zeros(0, dtype=np.int64)
 
-    def _chains(self, order: list, index: dict, query_nodes, anchor) -> tuple:
+    def _chains(self, order: list, index: dict, child: dict, keep: set) -> tuple:
         """Merge the chains of single-child nodes that hold no query (a prompt cached in blocks is
-        one node a block) into one node each, for a decoding tree whose nodes are ``order``.
+        one node a block) into one node each, for a decoding tree whose nodes are ``order``
+        (``child``: each node's only child there, where it has one; ``keep``: nodes that stay).
 
         Returns ``(order, merged, top)``: the nodes left; for a node that absorbed descendants, its
         chain top-down (itself first); and the node each absorbed one went to. ``index`` is
@@ -292,29 +293,22 @@ class SequenceTree:
         sees the same tokens in the same order; a query's node keeps its own tokens only (what
         ``extra`` and the decode windows' prefixes count). Fewer, longer nodes make cheaper plans
         and longer work items."""
-        keep = set(query_nodes)
-        if anchor is not None:
-            keep.add(anchor)
-        count: dict[int, int] = {}
-        child: dict[int, int] = {}          # a node's child here (its only one where count is 1)
-        for n in order:
-            p = self._nodes[n].parent
-            if p is not None:
-                count[p] = count.get(p, 0) + 1
-                child[p] = n
-
-        def absorbs(p: int) -> bool:        # p's one child here merges into p
-            return count.get(p) == 1 and p not in keep and child[p] not in keep
-
+        # p -> the child that merges into it
+        single = {p: c for p, c in child.items() if p not in keep and c not in keep}
+        nodes = self._nodes
         merged: dict[int, list] = {}
         top: dict[int, int] = {}
-        for t in order:
-            if absorbs(t) and not ((p := self._nodes[t].parent) is not None and absorbs(p)):
+        for t in single:
+            if nodes[t].parent not in single:     # (a chain's top: its parent does not absorb it)
                 chain = [t]
-                while absorbs(chain[-1]):
-                    chain.append(child[chain[-1]])
+                c = single[t]
+                while True:
+                    chain.append(c)
+                    top[c] = t
+                    if c not in single:
+                        break
+                    c = single[c]
                 merged[t] = chain
-                top.update((m, t) for m in chain[1:])
         if not merged:
             return order, merged, top
         left = [n for n in order if n not in top]
@@ -337,15 +331,21 @@ class SequenceTree:
             under node ``anchor``.
         """
         extra = extra or {}
+        nodes = self._nodes
         index: dict[int, int] = {}
         order: list[int] = []
+        child: dict[int, int] = {}           # a node's only child here (-1: it has several)
         for q in query_nodes:
             n = q
             while n is not None and n not in index:
                 index[n] = len(order)
                 order.append(n)
-                n = self._nodes[n].parent
-        order, merged, top = self._chains(order, index, query_nodes, drafts[0] if drafts is not None else None)
+                p = nodes[n].parent
+                if p is not None:
+                    child[p] = n if p not in child else -1
+                n = p
+        keep = set(query_nodes) if drafts is None else {*query_nodes, drafts[0]}
+        order, merged, top = self._chains(order, index, {p: c for p, c in child.items() if c >= 0}, keep)
         parents = [-1 if (p := self._nodes[n].parent) is None else index[top.get(p, p)] for n in order]
         # a chain's slots are fixed while it exists (its nodes have children, so they no longer
         # grow): kept from the call before, where a serving batch's cached prompts recur
