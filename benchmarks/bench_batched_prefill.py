@@ -29,6 +29,7 @@ try:
     import treeattn  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+from treeattn.bench.timing import provenance
 from treeattn.engine import TreeEngine, TreeModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,8 +92,9 @@ def main(argv=None) -> int:
         print(f"{r:3d} prompts: separate {row['separate_ms']:8.2f} ms, batched {row['batched_ms']:8.2f} ms, "
               f"max logit diff {diff:.3g}")
     if args.out:
-        info = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
-                "torch": torch.__version__, "python": platform.python_version()}
+        # (provenance names the CUDA device; a CPU run records its processor)
+        info = provenance() if dev.type == "cuda" else {"device": platform.processor(), "torch": torch.__version__,
+                                                        "python": platform.python_version()}
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "env": info, "rows": rows}, f, indent=1)
     return 0

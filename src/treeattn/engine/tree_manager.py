@@ -285,7 +285,8 @@ class SequenceTree:
     def _chains(self, order: list, index: dict, child: dict, keep: set) -> tuple:
         """Merge the chains of single-child nodes that hold no query (a prompt cached in blocks is
         one node a block) into one node each, for a decoding tree whose nodes are ``order``
-        (``child``: each node's only child there, where it has one; ``keep``: nodes that stay).
+        (``child``: each node's only child there, -1 where it has several; ``keep``: nodes that
+        stay).
 
         Returns ``(order, merged, top)``: the nodes left; for a node that absorbed descendants, its
         chain top-down (itself first); and the node each absorbed one went to. ``index`` is
@@ -294,7 +295,7 @@ class SequenceTree:
         ``extra`` and the decode windows' prefixes count). Fewer, longer nodes make cheaper plans
         and longer work items."""
         # p -> the child that merges into it
-        single = {p: c for p, c in child.items() if p not in keep and c not in keep}
+        single = {p: c for p, c in child.items() if c >= 0 and p not in keep and c not in keep}
         nodes = self._nodes
         merged: dict[int, list] = {}
         top: dict[int, int] = {}
@@ -345,20 +346,21 @@ class SequenceTree:
                     child[p] = n if p not in child else -1
                 n = p
         keep = set(query_nodes) if drafts is None else {*query_nodes, drafts[0]}
-        order, merged, top = self._chains(order, index, {p: c for p, c in child.items() if c >= 0}, keep)
-        parents = [-1 if (p := self._nodes[n].parent) is None else index[top.get(p, p)] for n in order]
+        order, merged, top = self._chains(order, index, child, keep)
+        parents = [-1 if (p := nodes[n].parent) is None else index[top.get(p, p)] for n in order]
         # a chain's slots are fixed while it exists (its nodes have children, so they no longer
         # grow): kept from the call before, where a serving batch's cached prompts recur
         cache, self._chain_slots = self._chain_slots, {}
         chunks = []
         for n in order:
-            c = self.kv.own_slots(n)
             if n in merged:
                 key = tuple(merged[n])
                 c = cache.get(key)
                 if c is None:
                     c = np.concatenate([self.kv.own_slots(m) for m in key])
                 self._chain_slots[key] = c
+            else:
+                c = self.kv.own_slots(n)
             chunks.append(np.concatenate((c, extra[n])) if n in extra else c)
         lengths = [c.size for c in chunks]
         qn = [index[q] for q in query_nodes]
