@@ -7,6 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treeattn.engine import BeamSearchController, TreeEngine, TreeModel  # noqa: E402
+from treeattn.engine.beam import _inverse, _place  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,3 +90,21 @@ def test_more_beams_than_candidates_refused_before_prefill(tiny):
     with pytest.raises(ValueError, match="vocabulary"):
         eng.run(BeamSearchController([1, 2], num_beams=200, max_new_tokens=2))
     assert eng.tree.num_nodes == 0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_new_beams_stay_in_their_parents_leaves(seed):
+    """Every parent's first new beam keeps the parent's leaf, the others fill the leaves that no new
+    beam descends from: the leaves are a permutation, and no copy reads a leaf another writes."""
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(1, 17, (1,), generator=g))
+    parent = torch.randint(0, k, (k,), generator=g)
+    leaf = _place(parent)
+    assert sorted(leaf.tolist()) == list(range(k))
+    seen = set()
+    for p, l in zip(parent.tolist(), leaf.tolist()):
+        assert (l == p) == (p not in seen)
+        seen.add(p)
+    src = parent[_inverse(leaf)]         # the leaf each leaf copies from
+    moved = src != torch.arange(k)
+    assert not set(src[moved].tolist()) & set(torch.arange(k)[moved].tolist())

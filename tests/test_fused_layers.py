@@ -109,7 +109,29 @@ def test_swiglu(gen, device, dtype, n, inter):
     assert_close(fused.swiglu(gu), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("planes, kv_heads, head_dim", [(4, 2, 16), (70, 1, 24), (3, 5, 8)])
+def test_copy_slots_moves_only_pairs_that_move(gen, device, dtype, planes, kv_heads, head_dim):
+    kv = randn(gen, planes, 40, kv_heads, head_dim, dtype=dtype).to(device)
+    # slots 0-9 are sources (or copy onto themselves), 20-29 destinations
+    src = torch.tensor([0, 3, 3, 7, 5, 9], device=device)
+    dst = torch.tensor([0, 20, 21, 7, 29, 9], device=device)
+    ref = kv.clone()
+    ref[:, dst] = ref[:, src]
+    fused.copy_slots(kv, src, dst.int())
+    assert torch.equal(kv, ref)
+    fused.copy_slots(kv, src[:0], dst[:0])       # nothing to copy
+    assert torch.equal(kv, ref)
+
+
 def test_invalid_arguments(device):
+    kv = torch.zeros(2, 8, 1, 16, device=device)
+    with pytest.raises(ValueError, match="src"):
+        fused.copy_slots(kv, torch.zeros(2, device=device), torch.zeros(2, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="differ in length"):
+        fused.copy_slots(kv, torch.zeros(2, dtype=torch.int64, device=device),
+                         torch.zeros(3, dtype=torch.int64, device=device))
+
     x = torch.randn(3, 64, device=device)
     with pytest.raises(ValueError, match="weight"):
         fused.rms_norm(x, torch.randn(32, device=device), 1e-6)

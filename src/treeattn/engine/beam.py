@@ -10,9 +10,11 @@ it plans and enqueues step ``t + 1`` while the GPU runs step ``t``.
 On the tree: the prompt is one root whose KV all ``k`` beams share (read once a step by
 prefix-aware attention); each beam is a child leaf holding the tokens it generated. The tree's
 shape is therefore fixed for the whole search, and the engine plans it once per decode window.
-When beam ``j`` continues beam ``p``'s hypothesis, the KV of ``p``'s generated tokens is copied
-into ``j``'s slots on the device (one gather of ``k x generated`` tokens over all layers a step,
-what the host could only avoid by waiting for the selection). The prompt is never copied.
+Each new beam's first continuation stays in its parent's leaf; the others take the leaves of
+beams that ended, and the KV of their parents' generated tokens is copied there on the device (one
+kernel a step that moves only those leaves' tokens, over all layers: what the host could only
+avoid by waiting for the selection). The prompt is never copied. Beams sit in the leaves in no
+particular order of score.
 """
 from __future__ import annotations
 
@@ -135,7 +137,10 @@ class BeamSearchController(BranchController):
                                    torch.cat((self.fin_len, torch.full_like(just, t + 1, dtype=torch.int64)))[best])
         self.fin_scores = torch.where(keep_old, self.fin_scores, merged[best])
         self.fin_flags = torch.where(keep_old, self.fin_flags, torch.cat((self.fin_flags, just))[best])
-        self.run_scores = run_lp[nxt]
+        # the new beams' leaves: each beam's first continuation stays in its leaf, the others
+        # take the leaves of beams that ended, so only those leaves' KV is rewritten
+        at = nxt[_inverse(_place(beam[nxt]))]       # the candidate each leaf continues with
+        self.run_scores = run_lp[at]
         self.cur_len += 1
         self._update_improvable(prompt_len)
         stopped = ~self.improvable | hits.all()
@@ -145,11 +150,10 @@ class BeamSearchController(BranchController):
         self._post_flag()
         if last:
             return False
-        parents, tokens = beam[nxt], tok[nxt]
-        self.gen = cand_gen[nxt]
+        self.gen = cand_gen[at]
         if k > 1 and t > 0:
-            self._reorder_kv(engine, parents)
-        engine.decode(self.nodes, tokens, horizon=self.max_new - step - 1)
+            self._reorder_kv(engine, beam[at])
+        engine.decode(self.nodes, tok[at], horizon=self.max_new - step - 1)
         return True
 
     def _update_improvable(self, prompt_len: int) -> None:
@@ -157,18 +161,20 @@ class BeamSearchController(BranchController):
             best_len = self.max_length - prompt_len
         else:
             best_len = self.cur_len - prompt_len
-        best_running = self.run_scores[0] / float(best_len ** self.length_penalty)
+        best_running = self.run_scores.max() / float(best_len ** self.length_penalty)
         worst = torch.where(self.fin_flags, self.fin_scores.min(), torch.full_like(self.fin_scores, _NEG))
         self.improvable = self.improvable & (best_running > worst).any()
 
     def _reorder_kv(self, engine, parents: torch.Tensor) -> None:
-        """Beam ``j`` continues hypothesis ``parents[j]``: copy that beam's generated KV into ``j``'s
-        slots (every layer, on the device, no host wait)."""
+        """Leaf ``j`` continues leaf ``parents[j]``'s hypothesis: copy that leaf's generated KV into
+        ``j``'s slots (every layer, on the device, no host wait). A leaf that is some leaf's parent
+        continues itself (:func:`_place`), so no copy reads a slot another copy writes, and the
+        leaves that continue themselves move no bytes."""
         own = np.stack([engine.kv.own_slots(n) for n in self.nodes])     # [k, generated (this rank's)]
         if not own.shape[1]:
             return
         dst = upload(own, engine.device)
-        engine.kv.copy(dst[parents].reshape(-1), dst.reshape(-1))
+        engine.kv.copy(dst[parents].reshape(-1), dst.reshape(-1), in_place=True)
 
     def _post_flag(self) -> None:
         """Start copying ``done`` to the host (pinned, asynchronous on CUDA)."""
@@ -203,3 +209,24 @@ class BeamSearchController(BranchController):
         gen, lens, scores = (x[:n].tolist() for x in (self.fin_gen, self.fin_len, self.fin_scores))
         return {"sequences": [self.prompt + g[:m] for g, m in zip(gen, lens)],
                 "scores": [float(s) for s in scores]}
+
+
+def _place(parent: torch.Tensor) -> torch.Tensor:
+    """The leaf of each new beam (int64 ``[k]``), given its parent's leaf ``parent`` (int64 ``[k]``,
+    new beams in any order): the first new beam of each parent takes the parent's leaf, the others
+    the leaves no new beam descends from, in order. On the device, without a host read."""
+    k = parent.shape[0]
+    ar = torch.arange(k, device=parent.device)
+    same = parent[:, None] == parent[None, :]
+    first = ~(same & (ar[None, :] < ar[:, None])).any(1)
+    free = ~((parent[:, None] == ar[None, :]) & first[:, None]).any(0)
+    # the r-th other beam takes the r-th free leaf (there are as many of each)
+    rank = torch.cumsum(~first, 0) - 1
+    free_rank = torch.cumsum(free, 0) - 1
+    match = free[None, :] & (free_rank[None, :] == rank[:, None])
+    return torch.where(first, parent, match.int().argmax(1))
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of the permutation ``perm`` (int64 ``[k]``)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], device=perm.device))

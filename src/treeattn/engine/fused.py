@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from treeattn.kernels.layers import _rms_norm_kernel, _rope_kv_kernel, _swiglu_kernel
+from treeattn.kernels.layers import _copy_slots_kernel, _rms_norm_kernel, _rope_kv_kernel, _swiglu_kernel
 
-__all__ = ["add_rms_norm", "rms_norm", "rope_qkv_cache", "swiglu"]
+__all__ = ["add_rms_norm", "copy_slots", "rms_norm", "rope_qkv_cache", "swiglu"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX = (torch.int64, torch.int32)
@@ -192,3 +192,32 @@ def swiglu(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
         _swiglu_kernel[(n, triton.cdiv(inter, block))](gate_up, y, gate_up.stride(0), y.stride(0), inter,
                                                       BLOCK=block, num_warps=4 if block >= 512 else 1)
     return y
+
+
+def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``kv[:, dst[i]] = kv[:, src[i]]`` for every ``i`` where ``src[i] != dst[i]``, in one kernel;
+    the other pairs move no bytes.
+
+    Parameters
+    ----------
+    kv : [planes, slots, ...] float tensor
+        Every layer's K and V cache as planes (:class:`~treeattn.engine.node_slots.KVCacheManager`'s
+        stacked view); each slot's elements contiguous.
+    src, dst : int64 or int32 [m] on ``kv``'s device
+        No slot may be both a destination and the source of another pair (the pairs run in
+        any order).
+    """
+    _check(kv.dim() >= 2 and kv.dtype in _FLOATS, f"kv: expected a float [planes, slots, ...] tensor, got "
+                                                  f"{kv.dtype} {tuple(kv.shape)}")
+    row = kv[0, 0].numel()
+    _check(kv[0, 0].is_contiguous() and kv.stride(1) >= row, "kv: each slot's elements must be contiguous")
+    for name, t in (("src", src), ("dst", dst)):
+        _check(t.dim() == 1 and t.dtype in _INDEX and t.device == kv.device,
+               f"{name}: expected int64/int32 [m] on {kv.device}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    _check(src.shape == dst.shape, f"src and dst differ in length: {src.shape[0]} vs {dst.shape[0]}")
+    if not src.shape[0]:
+        return
+    block = triton.next_power_of_2(row)
+    planes = min(triton.next_power_of_2(kv.shape[0]), max(1, 16384 // block))   # ~32 KB of 16-bit rows
+    _copy_slots_kernel[(src.shape[0], triton.cdiv(kv.shape[0], planes))](
+        kv, src, dst, kv.shape[0], row, kv.stride(0), kv.stride(1), BLOCK=block, PLANES=planes, num_warps=4)

@@ -8,10 +8,13 @@ unused ones are dropped (they stay allocated in the branch until it is freed).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from treeattn import KVPool
+from treeattn.engine import fused
 
 __all__ = ["KVCacheManager"]
 
@@ -152,9 +155,16 @@ class KVCacheManager:
             self.pool.append(self._pad, 1, high=True)
         return int(self.pool.slots(self._pad)[0])
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, *, in_place: bool = False) -> None:
         """Copy K and V of slots ``src`` to slots ``dst`` (int64 ``[m]`` on the pool's device), all
-        layers, without synchronising."""
+        layers, without synchronising.
+
+        With ``in_place`` (the caller guarantees that no slot is both a destination and another
+        pair's source), one kernel copies every pair directly and pairs whose source is their
+        destination move no bytes (a gather then a scatter otherwise, through a temporary)."""
+        if in_place and self._all is not None and (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            fused.copy_slots(self._all, src, dst)
+            return
         if self._all is not None:
             self._all[:, dst] = self._all[:, src]
             return

@@ -100,3 +100,22 @@ def _swiglu_kernel(GU, OUT, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
     # F.silu(gate) * up rounds it
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     tl.store(OUT + row * stride_out + offs, (s * u).to(dt), mask=mask)
+
+
+@triton.jit
+def _copy_slots_kernel(KV, SRC, DST, n_planes, row, stride_plane, stride_slot, BLOCK: tl.constexpr,
+                       PLANES: tl.constexpr):
+    """One program = one ``(src, dst)`` pair x ``PLANES`` of the ``[planes, slots, ROW]`` cache
+    view (planes: every layer's K and V; ``row`` elements a slot, contiguous): copies slot
+    ``src``'s rows to slot ``dst``. A pair
+    whose source is its destination moves nothing: beam search keeps most beams in place, and the
+    host cannot drop those pairs without waiting for the device's selection."""
+    src = tl.load(SRC + tl.program_id(0)).to(tl.int64)
+    dst = tl.load(DST + tl.program_id(0)).to(tl.int64)
+    if src != dst:
+        plane = tl.program_id(1) * PLANES + tl.arange(0, PLANES)
+        offs = tl.arange(0, BLOCK)
+        mask = (plane < n_planes)[:, None] & (offs < row)[None, :]
+        base = plane.to(tl.int64)[:, None] * stride_plane + offs[None, :]
+        rows = tl.load(KV + base + src * stride_slot, mask=mask)
+        tl.store(KV + base + dst * stride_slot, rows, mask=mask)
