@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from treeattn.engine import BeamSearchController, TreeEngine, TreeModel  # noqa: E402
-from treeattn.engine.beam import _inverse, _place  # noqa: E402
+from treeattn.engine.beam import _candidates, _inverse, _place  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,3 +108,17 @@ def test_new_beams_stay_in_their_parents_leaves(seed):
     src = parent[_inverse(leaf)]         # the leaf each leaf copies from
     moved = src != torch.arange(k)
     assert not set(src[moved].tolist()) & set(torch.arange(k)[moved].tolist())
+
+
+@pytest.mark.parametrize("k, vocab", [(1, 50), (4, 300), (8, 1000), (16, 129)])
+def test_fused_candidates_equal_log_softmax_topk(k, vocab):
+    """The fused selection (chunk candidates, Triton's interpreter) picks the same continuations
+    with the same log-probabilities as log_softmax + topk over every beam's vocabulary."""
+    g = torch.Generator().manual_seed(k * vocab)
+    logits = torch.randn(k, vocab, generator=g) * 4
+    scores = torch.randn(k, generator=g) * 3
+    keep = 2 * k
+    ref_v, ref_b, ref_t = _candidates(logits, scores, keep, fused=False)
+    v, b, t = _candidates(logits, scores, keep, fused=True)
+    torch.testing.assert_close(v, ref_v, rtol=0, atol=1e-5)
+    assert sorted(zip(b.tolist(), t.tolist())) == sorted(zip(ref_b.tolist(), ref_t.tolist()))

@@ -49,14 +49,17 @@ def test_precompile_covers_every_variant(recorded):
 def test_precompile_covers_the_sampling_kernel(recorded, monkeypatch):
     """With a vocabulary, the fused sampling kernel's 16 variants too (noise, per-row counter,
     per-row scale, the normaliser), each launched once; a batch of any size then uses one of
-    them (the combine kernel's block is the vocabulary's, not the batch's)."""
+    them (the combine kernel's block is the vocabulary's, not the batch's). And beam search's
+    candidate kernel for each candidate count."""
     monkeypatch.setattr(pc, "gumbel_argmax", lambda x, *, streams, counter, scale, stats: recorded.append(
         ("sample", streams is None, isinstance(counter, int), isinstance(scale, float), stats, x.shape[1])))
+    monkeypatch.setattr(pc, "row_topk_candidates", lambda x, k: recorded.append(("topk", k, x.shape[1])))
     heads = HeadConfig(8, 2, 16, torch.float32)
     attention = precompile(heads, page_size=16, device="cpu")
     recorded.clear()
-    assert precompile(heads, page_size=16, device="cpu", vocab=300) == attention + 16
+    assert precompile(heads, page_size=16, device="cpu", vocab=300) == attention + 16 + len(pc.TOPK_CANDIDATES)
     assert len({r for r in recorded if r[0] == "sample"}) == 16 and all(r[-1] == 300 for r in recorded[:16])
+    assert {r for r in recorded if r[0] == "topk"} == {("topk", k, 300) for k in pc.TOPK_CANDIDATES}
 
 
 @pytest.mark.slow

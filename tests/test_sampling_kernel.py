@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from treeattn.engine.sampling import LogNormaliser, Sampler, gumbel_noise, inverse_temperature
-from treeattn.launchers import gumbel_argmax
+from treeattn.launchers import gumbel_argmax, row_topk_candidates
 
 
 def _logits(rng, n, vocab, dtype, *, strided=False):
@@ -129,3 +129,30 @@ def test_gumbel_argmax_rejects_bad_input():
     for bad in (torch.zeros(5), torch.zeros(2, 0), torch.zeros(2, 5, dtype=torch.int64)):
         with pytest.raises(ValueError, match="logits|vocab"):
             gumbel_argmax(bad)
+
+
+@pytest.mark.parametrize("n, vocab, k, block", [(1, 5, 3, 16), (3, 200, 16, 64), (2, 1000, 20, 128)])
+def test_row_topk_candidates_hold_each_rows_top_k(device, n, vocab, k, block):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(n, vocab, generator=g).to(device)
+    x[0, : min(4, vocab)] = 7.0                       # ties: the first indices win
+    v, i = row_topk_candidates(x, k, block=block)
+    assert v.shape == i.shape and v.shape[1] >= k
+    for r in range(n):
+        top = torch.topk(x[r], min(k, vocab)).values
+        got = torch.topk(v[r], min(k, vocab)).values
+        torch.testing.assert_close(got, top)
+        real = i[r] >= 0
+        assert torch.equal(x[r, i[r][real].long()], v[r][real])      # each value sits at its index
+        assert torch.isneginf(v[r][~real]).all()
+        assert len(set(i[r][real].tolist())) == int(real.sum())      # no entry twice
+
+
+def test_row_topk_candidates_rejects_bad_input():
+    x = torch.zeros(2, 100)
+    with pytest.raises(ValueError, match="k must be"):
+        row_topk_candidates(x, 33)
+    with pytest.raises(ValueError, match="power of two"):
+        row_topk_candidates(x, 4, block=48)
+    with pytest.raises(ValueError, match="logits"):
+        row_topk_candidates(x[0], 4)

@@ -16,13 +16,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from treeattn.kernels.attention import _tree_partial_attention_kernel
 from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
-from treeattn.kernels.sampling import _sample_combine_kernel, _sample_partial_kernel
+from treeattn.kernels.sampling import _sample_combine_kernel, _sample_partial_kernel, _topk_partial_kernel
 from treeattn.kernels.state import LOG2E
 from treeattn.plan.lower.merge_config import merge_config, merge_row_tile
 from treeattn.plan.format import Plan
 
 __all__ = ["SUPPORTED_DTYPES", "attention_constexprs", "check_attention_inputs", "partial_attention",
-           "merge_partials", "launch_cache", "check_triton_device", "gumbel_argmax"]
+           "merge_partials", "launch_cache", "check_triton_device", "gumbel_argmax", "row_topk_candidates",
+           "TOPK_CANDIDATES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -437,3 +438,50 @@ def gumbel_argmax(logits: torch.Tensor, *, streams: torch.Tensor | None = None,
     _sample_combine_kernel[(n,)](part_y, part_i, part_m, part_s, tokens, norm if stats else part_y, parts,
                                  STATS=stats, BLOCK_P=triton.next_power_of_2(tiles), num_warps=1)
     return tokens, norm
+
+
+#: The candidate counts :func:`row_topk_candidates` selects per chunk (one compiled variant each)
+TOPK_CANDIDATES = (16, 32)
+
+
+def row_topk_candidates(logits: torch.Tensor, k: int, *, block: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates for the ``k`` largest entries of each row of ``logits``, in one launch: each
+    chunk of ``block`` entries gives its ``K`` largest (``K``: the least of
+    :data:`TOPK_CANDIDATES` >= ``k``), so the row's ``k`` largest are among them. ``torch.topk``
+    of the candidates then finishes the selection (beam search: over every row's candidates at
+    once) over a few thousand entries instead of the whole vocabulary (one to two 128K-entry rows
+    a multiprocessor: 100-160 us for 8 rows on an H200).
+
+    Parameters
+    ----------
+    logits : [n, V] float16, bfloat16 or float32, unit last stride
+    k : int in ``[1, max(TOPK_CANDIDATES)]``
+
+    Returns
+    -------
+    values : float32 [n, C]
+        ``C = K * cdiv(V, block)``; -inf past a row's end.
+    indices : int32 [n, C]
+        Column of each value (-1 past a row's end).
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype not in SUPPORTED_DTYPES:
+        raise ValueError("logits must be a float16 / bfloat16 / float32 [n, vocab] tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
+    if logits.stride(1) != 1 and logits.shape[1] > 1:
+        raise ValueError("logits must have a unit last stride")
+    if not 1 <= k <= TOPK_CANDIDATES[-1]:
+        raise ValueError(f"k must be in [1, {TOPK_CANDIDATES[-1]}], got {k}")
+    n, vocab = logits.shape
+    block = block or (4096 if logits.is_cuda else 64)
+    if block & (block - 1) or block < k:
+        raise ValueError(f"block must be a power of two >= k, got {block}")
+    check_triton_device(logits)
+    kk = next(c for c in TOPK_CANDIDATES if c >= k)
+    chunks = triton.cdiv(vocab, block)
+    values = torch.empty(n, chunks * kk, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(n, chunks * kk, dtype=torch.int32, device=logits.device)
+    if n and vocab:
+        _topk_partial_kernel[(n, chunks)](logits, values, indices, logits.stride(0), vocab, chunks, K=kk,
+                                          BLOCK=block, num_warps=8)
+    return values, indices

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from treeattn.launchers import attention_constexprs, gumbel_argmax, merge_partials, partial_attention
+from treeattn.launchers import (TOPK_CANDIDATES, attention_constexprs, gumbel_argmax, merge_partials, partial_attention,
+                                row_topk_candidates)
 from treeattn.plan.lower.addressing import (
     TALL_CONTIG_ROWS,
     beside_configs,
@@ -122,6 +123,9 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
         for noise, row_counter, row_scale, stats in itertools.product((False, True), repeat=4):
             yield lambda noise=noise, c=row_counter, r=row_scale, stats=stats: gumbel_argmax(
                 x, streams=rows if noise else None, counter=rows if c else 0, scale=scales if r else 1.0, stats=stats)
+        # beam search's candidates
+        for k in TOPK_CANDIDATES:
+            yield lambda k=k: row_topk_candidates(x, k)
     from treeattn.plan import make_plan
     from treeattn.tree import DecodingTree
 

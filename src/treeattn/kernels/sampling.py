@@ -123,3 +123,24 @@ def _sample_combine_kernel(PART_Y, PART_I, PART_M, PART_S, TOKENS, NORM, num_par
         ref = tl.where(mm == float("-inf"), 0.0, mm)
         tl.store(NORM + 2 * row, mm)
         tl.store(NORM + 2 * row + 1, tl.log(tl.sum(s * tl.exp(m - ref), axis=0)))
+
+
+@triton.jit
+def _topk_partial_kernel(X, OUT_V, OUT_I, stride_row, vocab, num_chunks, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``(row, chunk)``: the ``K`` largest of entries ``[chunk * BLOCK, (chunk + 1) * BLOCK)``
+    of the row (in decreasing order, the first index winning a tie; -inf and index -1 past the
+    row's end), written to ``OUT_V`` / ``OUT_I`` ``[rows, num_chunks * K]``. A row's ``K`` largest
+    are among its chunks' (what :func:`treeattn.launchers.row_topk_candidates` relies on)."""
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    idx = chunk * BLOCK + tl.arange(0, BLOCK)
+    live = idx < vocab
+    x = tl.load(X + row * stride_row + idx, mask=live, other=float("-inf")).to(tl.float32)
+    out = (row * num_chunks + chunk) * K
+    # K passes of a block max: K <= 32 selections from a tile in registers
+    for j in tl.static_range(K):
+        top = tl.max(tl.where(live, x, float("-inf")), axis=0)
+        at = tl.min(tl.where(live & (x == top), idx, _INT32_MAX), axis=0)
+        tl.store(OUT_V + out + j, tl.where(at == _INT32_MAX, float("-inf"), top))
+        tl.store(OUT_I + out + j, tl.where(at == _INT32_MAX, -1, at))
+        live = live & (idx != at)
