@@ -286,7 +286,8 @@ def test_dropped_non_streaming_request_frees_its_pages_within_a_second(server):
         time.sleep(0.01)
     assert time.monotonic() - dropped < 1.0, "the dropped request still runs"
     _idle_and_clean(sched)
-    assert sched.stats()["steps"] - before < 300
+    # stopped before its 450 tokens (an idle machine decodes ~300 of them in the 0.5 s timeout)
+    assert sched.stats()["steps"] - before < 440
 
 
 def test_dropped_beam_search_stops(server):

@@ -8,8 +8,6 @@ unused ones are dropped (they stay allocated in the branch until it is freed).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -160,10 +158,14 @@ class KVCacheManager:
         layers, without synchronising.
 
         With ``in_place`` (the caller guarantees that no slot is both a destination and another
-        pair's source), one kernel copies every pair directly and pairs whose source is their
-        destination move no bytes (a gather then a scatter otherwise, through a temporary)."""
-        if in_place and self._all is not None and (src.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            fused.copy_slots(self._all, src, dst)
+        pair's source), pairs whose source is their destination move no bytes: on CUDA one kernel
+        copies the others directly (a gather then a scatter otherwise, through a temporary)."""
+        if in_place and self._all is not None:
+            if src.is_cuda:
+                fused.copy_slots(self._all, src, dst)
+            else:                               # (no device to wait for: select the pairs that move)
+                moved = src != dst
+                self._all[:, dst[moved]] = self._all[:, src[moved]]
             return
         if self._all is not None:
             self._all[:, dst] = self._all[:, src]
