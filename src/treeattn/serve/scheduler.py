@@ -231,6 +231,7 @@ class Scheduler:
         self.tokenizer = engine.model.tokenizer    # stop strings are matched on decoded text
         self._ids = itertools.count()
         self._cancelled: set = set()          # aborted ids a running beam search checks each step
+        self._beams = 0                       # beam searches running (outside the decode batch)
         self._cv = threading.Condition()
         self._calls: deque = deque()          # callables run on the engine thread
         self._queued = 0                      # submitted, not yet admitted or dropped
@@ -341,7 +342,8 @@ class Scheduler:
     def stats(self) -> dict:
         """Queue, batch, pool and cache numbers (read on the engine thread).
 
-        Besides the counters of the class: ``kv_visible_tokens`` and ``kv_unique_tokens`` sum,
+        ``running``: requests in the decode batch, and a beam search while it runs (alone, between
+        the batch's steps). Besides the counters of the class: ``kv_visible_tokens`` and ``kv_unique_tokens`` sum,
         over decode steps, the KV tokens the step's queries see (per query: what attention
         without prefix sharing reads) and the distinct ones (what attention reading each shared
         token once reads); ``prefill_ms``, ``prefill_steps``, ``decode_ms`` and ``decode_steps``:
@@ -351,7 +353,7 @@ class Scheduler:
         """
         def read():
             pool, c = self.engine.pool, self.cache
-            return {"waiting": len(self._waiting), "running": len(self._running), "steps": self.steps,
+            return {"waiting": len(self._waiting), "running": len(self._running) + self._beams, "steps": self.steps,
                     "preemptions": self.preemptions, "decoded_tokens": self.decoded,
                     "max_batch_seen": self.max_batch_seen, "strategies": dict(self.strategies),
                     "plan_ms": self.plan_ms, "kv_visible_tokens": self.kv_visible,
@@ -499,7 +501,11 @@ class Scheduler:
                 if self._running:           # a beam search runs alone, once the batch drained
                     return
                 self._dequeue(req)
-                self._beam(req)
+                self._beams += 1
+                try:
+                    self._beam(req)
+                finally:
+                    self._beams -= 1
                 continue
             live = [i for i, f in enumerate(req.finish) if f is None]
             if self._running and self._batch_size() + len(live) > self.max_batch:
