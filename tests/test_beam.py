@@ -114,12 +114,13 @@ def test_new_beams_stay_in_their_parents_leaves(seed):
 
 
 @pytest.mark.parametrize("k, vocab", [(1, 50), (4, 300), (8, 1000), (16, 129)])
-def test_fused_candidates_equal_log_softmax_topk(k, vocab):
-    """The fused selection (chunk candidates, Triton's interpreter) picks the same continuations
-    with the same log-probabilities as log_softmax + topk over every beam's vocabulary."""
+def test_fused_candidates_equal_log_softmax_topk(device, k, vocab):
+    """The fused selection (chunk candidates; Triton's interpreter on CPU) picks the same
+    continuations with the same log-probabilities as log_softmax + topk over every beam's
+    vocabulary."""
     g = torch.Generator().manual_seed(k * vocab)
-    logits = torch.randn(k, vocab, generator=g) * 4
-    scores = torch.randn(k, generator=g) * 3
+    logits = (torch.randn(k, vocab, generator=g) * 4).to(device)
+    scores = (torch.randn(k, generator=g) * 3).to(device)
     keep = 2 * k
     ref_v, ref_b, ref_t = _candidates(logits, scores, keep, fused=False)
     v, b, t = _candidates(logits, scores, keep, fused=True)
