@@ -238,3 +238,13 @@ def test_output_buffers_of_the_pieces(device, fz):
     o = torch.randn(n, c.num_heads, c.head_dim, device=device)
     h_new = model.post_attention(0, h, o)
     assert model.post_attention(0, h, o, out=h) is h and torch.equal(h, h_new)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_into_a_buffer(device, dtype):
+    """The decode graphs' LM head writes float32 logits into their static buffer directly."""
+    model = TreeModel.random("tiny", device=device, dtype=dtype)
+    h = torch.randn(3, model.config.hidden_size, device=device).to(dtype)
+    out = torch.full((3, model.config.vocab_size), float("nan"), device=device)
+    assert model.logits(h, out=out) is out
+    assert torch.equal(out, model.logits(h)) and model.logits(h).dtype == torch.float32

@@ -92,7 +92,7 @@ class DecodeGraphs:
             return seg
 
         def final():
-            logits.copy_(model.logits(model.post_attention(last, h, o)))
+            model.logits(model.post_attention(last, h, o), out=logits)
 
         return [first] + [middle(layer) for layer in range(last)] + [final]
 

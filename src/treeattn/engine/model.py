@@ -258,11 +258,17 @@ class TreeModel:
         d = F.linear(act * up, w.down, w.down_bias)
         return d if self.tp is None else self.tp.all_reduce(d)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
+    def logits(self, h: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and LM head: ``h [n, hidden]`` -> float32 logits ``[n, vocab]`` (a TP rank's
-        vocabulary slices all-gathered)."""
-        out = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head).float()
-        return out if self.tp is None else self.tp.gather(out)
+        vocabulary slices all-gathered), written into ``out`` (float32 ``[n, vocab]``) when given:
+        the conversion from the model's dtype is then the copy (one pass over the logits, not
+        two: the second took 35 us a step at 128 rows of a 128K vocabulary on an H200)."""
+        y = F.linear(self._norm(h, self.weights.norm), self.weights.lm_head)
+        if self.tp is not None:
+            y = self.tp.gather(y.float())
+        if out is None:
+            return y.float()
+        return out.copy_(y)
 
     # ------------------------------------------------------------------ passes
     @torch.no_grad()
