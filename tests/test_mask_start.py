@@ -65,6 +65,43 @@ def test_window_mask_starts_keep_hidden_slots_masked(rng, strategy):
         assert np.array_equal(plan.host.work_mask_start, plan.work_mask_start.numpy())
 
 
+@pytest.mark.parametrize("strategy", ["sequence", "node", "greedy", "pack", "auto"])
+def test_window_mask_over_scattered_slots(rng, strategy):
+    """Window plans over pages in random order (runs of slots that cross node boundaries, as a
+    paged pool lays out a served batch): each entry's mask record is its own node's range and
+    position, and each unit's mask starts at or before its first entry the first step hides."""
+    for inner in (False, True):
+        base = random_tree(rng, 40, 60, roots=2, inner_queries=inner)
+        n_tok = base.num_tokens
+        pages = rng.permutation(-(-n_tok // 16) + 4)
+        slots = (pages[:, None] * 16 + np.arange(16)).ravel()[:n_tok]
+        tree = DecodingTree.from_parents(base.parents, base.lengths, query_nodes=base.query_nodes,
+                                         query_prefix=base.query_prefix, kv_indices=slots, page_size=16)
+        least = tree.topology.path_tokens[tree.query_nodes] == 0
+        first = np.maximum(tree.query_prefix - rng.integers(0, 8, tree.num_queries), least)
+        plan = StepPlanner(HEADS, strategy=strategy, device="cpu").plan(tree, first_prefix=first)
+        token = np.empty(int(slots.max()) + 1, dtype=np.int64)
+        token[slots] = np.arange(n_tok)
+        tok = token[plan.kv_indices.numpy()]
+        node = np.repeat(np.arange(tree.num_nodes), tree.lengths)[tok]
+        pos = tok - tree.kv_indptr[node]
+        rec, topo = plan.tree_mask.numpy(), tree.topology
+        assert np.array_equal(rec[:, 0], topo.tin[node]) and np.array_equal(rec[:, 1], topo.tout[node])
+        assert np.array_equal(rec[:, 2] + np.arange(tok.size), pos)
+        hide_from = np.full(tree.num_nodes, n_tok + 1)
+        np.minimum.at(hide_from, tree.query_nodes, first)
+        hidden = pos >= hide_from[node]
+        start, end, mask_start = (t.numpy() for t in (plan.work_kv_start, plan.work_kv_end, plan.work_mask_start))
+        unit_masked = np.zeros(plan.num_work, dtype=bool)
+        for ln in plan.launches:
+            unit_masked[ln.work_start: ln.work_end] = ln.masked
+        for w in range(plan.num_work):
+            at = np.flatnonzero(hidden[start[w]: end[w]])
+            if at.size:
+                assert mask_start[w] <= start[w] + at[0] and unit_masked[w]
+        assert_unmasked_prefix_visible(plan, tree.with_queries(tree.query_nodes, first))
+
+
 def _window_tree(h: int) -> tuple[DecodingTree, np.ndarray]:
     # a 700-token prompt, 6 leaves each holding the slots of the window's h - 1 later tokens
     lengths = [700] + [20 + 5 * i + h - 1 for i in range(6)]

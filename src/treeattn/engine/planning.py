@@ -19,8 +19,10 @@ import torch
 
 from treeattn import CostModel, DecodingTree, HeadConfig, Plan, make_plan
 from treeattn.plan.format import masked_entries, split_masked_launches, unit_mask_terms
+from treeattn.plan.lower.build import mask_rows, segment_records
 from treeattn.plan.lower.tensors import plan_to_device
 from treeattn.plan.lower.update import update_plan
+from treeattn.tree.topology import ranges, slot_breaks
 
 __all__ = ["StepPlanner", "upload"]
 
@@ -30,6 +32,47 @@ def upload(arr: np.ndarray, device: torch.device, dtype=torch.int64) -> torch.Te
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _entry_segments(slots: np.ndarray, tree: DecodingTree) -> tuple:
+    """A plan's KV list ``slots`` (int ``[nnz]``, each a slot of ``tree``) as segments: runs of
+    consecutive entries holding consecutive tokens of one node. Returns int64 ``(entry, count,
+    node, pos)`` [S]: each segment's first entry, its entries, its node and the position in that
+    node of its first entry.
+
+    The tree's tokens are cut into pieces (runs of consecutive slots within one node) and each
+    run of consecutive slots of the list into the pieces it spans: a few hundred segments where
+    the per-entry lookups they replace touched every one of tens of thousands of entries.
+    """
+    kv, indptr = tree.kv_indices, tree.kv_indptr
+    n_tok = kv.size
+    # pieces: the tree's runs of slots cut at node starts (empty nodes' starts coincide)
+    piece = np.union1d(tree.slot_breaks, indptr[:-1])
+    piece = piece[piece < n_tok]
+    piece_len = np.diff(piece, append=n_tok)
+    piece_node = indptr.searchsorted(piece, side="right") - 1
+    by_slot = np.argsort(kv[piece], kind="stable")
+    first = kv[piece][by_slot]
+    last = first + piece_len[by_slot]        # (one past each piece's last slot)
+    if (first[1:] < last[:-1]).any():
+        raise RuntimeError("cannot build a tree mask: the tree's slots are not unique")
+    # the list's runs of slots, and the pieces each spans (those must be contiguous in slots)
+    run = np.concatenate(([0], slot_breaks(slots)))
+    run_len = np.diff(run, append=slots.size)
+    run_first = slots[run].astype(np.int64)
+    lo = first.searchsorted(run_first, side="right") - 1
+    hi = first.searchsorted(run_first + run_len - 1, side="right") - 1
+    gaps = np.concatenate(([0], np.cumsum(first[1:] != last[:-1])))
+    if (lo < 0).any() or (gaps[hi] != gaps[lo]).any() or (run_first + run_len > last[hi]).any():
+        raise RuntimeError("cannot build a tree mask: the plan's slots do not map to unique tokens")
+    spans = hi - lo + 1
+    p = ranges(lo, hi + 1)
+    r = np.repeat(np.arange(run.size), spans)
+    seg_first = np.maximum(run_first[r], first[p])
+    seg_len = np.minimum(run_first[r] + run_len[r], last[p]) - seg_first
+    entry = run[r] + seg_first - run_first[r]
+    at = by_slot[p]
+    return entry, seg_len, piece_node[at], piece[at] - indptr[piece_node[at]] + seg_first - first[p]
 
 
 class StepPlanner:
@@ -148,34 +191,24 @@ class StepPlanner:
         query_prefix tensor, and the mask applied by every launch that reads a token some step
         of the window hides: position ``p >= first_prefix[j]`` of query ``j``'s own node, each
         work unit from its first such entry (or the builder's mask start, if earlier) on."""
-        topo = tree.topology
-        slots = plan.kv_indices.numpy().astype(np.int64)
-        if plan.has_mask:
-            rec = plan.tree_mask.numpy()
-            node = topo.order[rec[:, 0]]
-            pos = rec[:, 2] + np.arange(rec.shape[0])
-        else:
-            n_tok = tree.kv_indices.size
-            lut = np.full(int(tree.kv_indices.max()) + 1, -1, dtype=np.int64)
-            lut[tree.kv_indices] = np.arange(n_tok)
-            tok = lut[slots]
-            # unique slots <=> the table holds as many tokens as the tree (no sort needed)
-            if tok.min(initial=0) < 0 or np.count_nonzero(lut >= 0) != n_tok:
-                raise RuntimeError("cannot build a tree mask: the plan's slots do not map to unique tokens")
-            # each token's node and position in it, by table (a search per entry took 3x longer)
-            tok_node = np.repeat(np.arange(tree.num_nodes), tree.lengths)
-            node = tok_node[tok]
-            pos = tok - tree.kv_indptr[node]
+        topo, h = tree.topology, plan.host
+        # per segment of the KV list, not per entry (tens of thousands in a served batch)
+        seg_kv, seg_len, node, pos = _entry_segments(h.kv_slots, tree)
         # the first token a step of the window hides, per node (queries of one node share it)
         hide_from = np.full(tree.num_nodes, np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(hide_from, tree.query_nodes, first_prefix)
-        hidden = np.concatenate(([0], np.cumsum(pos >= hide_from[node])))
-        h = plan.host
+        # a segment's positions ascend: its hidden entries are a suffix [hid_start, seg end)
+        seg_end = seg_kv + seg_len
+        hid_start = seg_kv + np.clip(hide_from[node] - pos, 0, seg_len)
+        some = hid_start < seg_end
+        hid_start, hid_end = hid_start[some], seg_end[some]
         start, end = h.work_kv_start, h.work_kv_end
-        unit_hidden = hidden[end] > hidden[start]
+        # each unit's first hidden entry at or after its start (the list's end if none)
+        after = hid_end.searchsorted(start, side="right")
+        first_hidden = np.maximum(np.append(hid_start, h.kv_slots.size)[after], start)
+        unit_hidden = first_hidden < end
         # each unit's mask starts at its first hidden entry, or earlier where the builder's does
         # (a plan built without a mask has its starts at the ends)
-        first_hidden = np.searchsorted(hidden, hidden[start] + 1) - 1
         mask_start = np.minimum(h.work_mask_start, first_hidden).astype(np.int32)
 
         def masked(launches):
@@ -199,7 +232,7 @@ class StepPlanner:
         def i32(a):
             return torch.from_numpy(np.asarray(a, dtype=np.int32))
 
-        rec = np.zeros((pos.size, 4), dtype=np.int32)  # (the Plan.tree_mask record of each entry)
-        rec[:, 0], rec[:, 1], rec[:, 2] = topo.tin[node], topo.tout[node], pos - np.arange(pos.size)
+        # (the Plan.tree_mask record of each entry: one per segment, repeated)
+        rec = mask_rows(segment_records(topo.tin[node], topo.tout[node], pos), seg_len, seg_kv)
         return dataclasses.replace(plan, tree_mask=torch.from_numpy(rec),
                                    query_pos=i32(topo.tin[tree.query_nodes]), **common)
