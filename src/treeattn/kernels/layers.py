@@ -105,11 +105,11 @@ def _swiglu_kernel(GU, OUT, stride_gu, stride_out, n_cols, BLOCK: tl.constexpr):
 @triton.jit
 def _copy_slots_kernel(KV, SRC, DST, n_planes, row, stride_plane, stride_slot, BLOCK: tl.constexpr,
                        PLANES: tl.constexpr):
-    """One program = one ``(src, dst)`` pair x ``PLANES`` of the ``[planes, slots, ROW]`` cache
-    view (planes: every layer's K and V; ``row`` elements a slot, contiguous): copies slot
-    ``src``'s rows to slot ``dst``. A pair
-    whose source is its destination moves nothing: beam search keeps most beams in place, and the
-    host cannot drop those pairs without waiting for the device's selection."""
+    """One program = one ``(src, dst)`` pair x ``PLANES`` planes of the ``[planes, slots, row]``
+    cache view (planes: every layer's K and V; a slot's ``row`` elements contiguous): copies slot
+    ``src``'s elements to slot ``dst``. A pair whose source is its destination moves nothing: beam
+    search keeps most beams in their leaves, and the host cannot drop those pairs without waiting
+    for the device's selection."""
     src = tl.load(SRC + tl.program_id(0)).to(tl.int64)
     dst = tl.load(DST + tl.program_id(0)).to(tl.int64)
     if src != dst:
