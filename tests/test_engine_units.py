@@ -215,6 +215,48 @@ def test_decoding_tree_merges_chains_without_queries():
     assert dt.num_nodes == 4 and dt.lengths[dt.query_nodes[0]] == 3    # root+b0 | b1 | b2+x+x2 | q1
 
 
+
+def test_decoding_tree_after_branch_add_and_prune_matches_a_fresh_tree():
+    """The paths cached for the queries stay true as the tree changes (leaves branch, requests
+    join a cached prompt, subtrees go): every step's tree equals one built with no cache, each
+    query sees its whole path, and no chain of single-child nodes without a query is left."""
+    rng = np.random.default_rng(0)
+    pool = KVPool(512, 4, 1, 8, num_layers=1, dtype=torch.float32)
+    tree = SequenceTree(KVCacheManager(pool))
+    root = tree.add_root()
+    tree.extend(root, [1, 2, 3])
+    (leaf,) = tree.branch(root, 1)
+    tree.extend(leaf, [4])
+    for step in range(60):
+        leaves = tree.active()
+        op = rng.integers(4)
+        if op == 0:                                      # a leaf branches
+            for k in tree.branch(leaves[rng.integers(len(leaves))], int(rng.integers(1, 3))):
+                tree.extend(k, [5] * int(rng.integers(1, 3)))
+        elif op == 1:                                    # a new request under an inner node
+            inner = [n for n in range(tree._next) if n in tree and tree.children(n)]
+            (k,) = tree.add_children(inner[rng.integers(len(inner))], 1)
+            tree.extend(k, [6])
+        elif op == 2 and len(leaves) > 1:                # a request ends (cached prompt stays or not)
+            tree.prune(leaves[rng.integers(len(leaves))], cascade=bool(rng.integers(2)))
+        else:
+            tree.append_one(leaves, torch.arange(len(leaves)))
+        qs = tree.active()
+        dt = tree.decoding_tree(qs)
+        fresh = SequenceTree(tree.kv)
+        fresh._nodes = tree._nodes
+        ref = fresh.decoding_tree(qs)
+        for name in ("parents", "lengths", "kv_indptr", "kv_indices", "query_nodes", "query_prefix"):
+            assert np.array_equal(getattr(dt, name), getattr(ref, name)), (step, name)
+        owner, nodes = dt.paths(dt.query_nodes)
+        for j, q in enumerate(qs):
+            seen = [dt.kv_indices[dt.kv_indptr[n]: dt.kv_indptr[n + 1]] for n in nodes[owner == j]]
+            assert np.array_equal(np.concatenate(seen), tree.path_slots(q))
+        kids = np.bincount(dt.parents[dt.parents >= 0], minlength=dt.num_nodes)
+        is_query = np.isin(np.arange(dt.num_nodes), dt.query_nodes)
+        child = dt.parents >= 0
+        assert not (child & (kids[dt.parents] == 1) & ~is_query[dt.parents] & ~is_query).any()
+
 def test_reserved_slots_become_tokens_or_holes():
     pool = KVPool(32, 4, 1, 8, num_layers=2, dtype=torch.float32)
     kv = KVCacheManager(pool)

@@ -100,6 +100,7 @@ class SequenceTree:
         self.results: list = []
         self._last_tree: DecodingTree | None = None  # shares its structure with the next one
         self._chain_slots: dict[tuple, np.ndarray] = {}     # merged chains' slots (decoding_tree)
+        self._paths: dict[int, np.ndarray] = {}             # queried nodes' root paths (decoding_tree)
 
     # ------------------------------------------------------------------ topology
     def _get(self, node: int) -> _Node:
@@ -134,11 +135,15 @@ class SequenceTree:
         if k < 1:
             raise ValueError(f"branch needs k >= 1 children, got {k}")
         nd.frozen = True
+        # a frozen node is seldom queried again: its cached path moves to its children
+        up = self._paths.pop(node, None)
         kids = []
         for i in range(k):
             cid = self._new(node, self.path_len(node), metas[i] if metas else None)
             self.kv.fork(node, cid)
             kids.append(cid)
+            if up is not None:
+                self._paths[cid] = np.concatenate(([cid], up))
         nd.children.extend(kids)
         return kids
 
@@ -164,6 +169,7 @@ class SequenceTree:
             self._nodes[nd.parent].children.remove(node)
         self.kv.remove(node)
         del self._nodes[node]
+        self._paths.pop(node, None)
 
     def finish(self, node: int, **info) -> Result:
         """Mark ``node`` finished (no longer decoded, KV kept until pruned) and store its result."""
@@ -282,40 +288,17 @@ class SequenceTree:
             node = self._nodes[node].parent
         return np.concatenate(chain[::-1]) if chain else np.zeros(0, dtype=np.int64)
 
-    def _chains(self, order: list, index: dict, child: dict, keep: set) -> tuple:
-        """Merge the chains of single-child nodes that hold no query (a prompt cached in blocks is
-        one node a block) into one node each, for a decoding tree whose nodes are ``order``
-        (``child``: each node's only child there, -1 where it has several; ``keep``: nodes that
-        stay).
-
-        Returns ``(order, merged, top)``: the nodes left; for a node that absorbed descendants, its
-        chain top-down (itself first); and the node each absorbed one went to. ``index`` is
-        rewritten for the nodes left. An absorbed node's tokens follow its parent's, so every query
-        sees the same tokens in the same order; a query's node keeps its own tokens only (what
-        ``extra`` and the decode windows' prefixes count). Fewer, longer nodes make cheaper plans
-        and longer work items."""
-        # p -> the child that merges into it
-        single = {p: c for p, c in child.items() if c >= 0 and p not in keep and c not in keep}
-        nodes = self._nodes
-        merged: dict[int, list] = {}
-        top: dict[int, int] = {}
-        for t in single:
-            if nodes[t].parent not in single:     # (a chain's top: its parent does not absorb it)
-                chain = [t]
-                c = single[t]
-                while True:
-                    chain.append(c)
-                    top[c] = t
-                    if c not in single:
-                        break
-                    c = single[c]
-                merged[t] = chain
-        if not merged:
-            return order, merged, top
-        left = [n for n in order if n not in top]
-        index.clear()
-        index.update((n, i) for i, n in enumerate(left))
-        return left, merged, top
+    def _path(self, node: int) -> np.ndarray:
+        """int64 ``[depth]``: ``node`` and its ancestors, bottom-up. Cached for the nodes queried,
+        as a live node's ancestors never change; a node that branches hands its entry to its
+        children, so the cache holds about one path per leaf however deep the tree grows."""
+        path = self._paths.get(node)
+        if path is None:
+            up = [node]
+            while (p := self._get(up[-1]).parent) is not None:
+                up.append(p)
+            path = self._paths[node] = np.array(up, dtype=np.int64)
+        return path
 
     def decoding_tree(self, query_nodes, *, extra=None, drafts=None) -> DecodingTree:
         """The :class:`~treeattn.DecodingTree` that ``query_nodes`` see.
@@ -331,51 +314,87 @@ class SequenceTree:
             ``query_nodes`` queries: draft ``i`` hangs under draft ``parents[i]`` or, for ``-1``,
             under node ``anchor``.
         """
+        if not len(query_nodes):
+            raise ValueError("decoding_tree needs at least one query node")
         extra = extra or {}
-        nodes = self._nodes
-        index: dict[int, int] = {}
-        order: list[int] = []
-        child: dict[int, int] = {}           # a node's only child here (-1: it has several)
-        for q in query_nodes:
-            n = q
-            while n is not None and n not in index:
-                index[n] = len(order)
-                order.append(n)
-                p = nodes[n].parent
-                if p is not None:
-                    child[p] = n if p not in child else -1
-                n = p
-        keep = set(query_nodes) if drafts is None else {*query_nodes, drafts[0]}
-        order, merged, top = self._chains(order, index, child, keep)
-        parents = [-1 if (p := nodes[n].parent) is None else index[top.get(p, p)] for n in order]
+        # Every query's root path, concatenated: a node's first occurrence there is where the
+        # walk up from the queries first reaches it, so the first occurrences in order are the
+        # tree's nodes (numpy over ~1e3 path entries instead of a Python walk over each node)
+        paths = [self._path(q) for q in query_nodes]
+        walk = np.concatenate(paths)
+        is_root = np.zeros(walk.size, dtype=bool)
+        is_root[np.cumsum([p.size for p in paths]) - 1] = True
+        ids, first = np.unique(walk, return_index=True)
+        at = np.sort(first)                  # walk positions of the nodes, in order
+        order = walk[at]
+        rank = np.empty(ids.size, dtype=np.int64)   # ids[k] is order[rank[k]]
+        rank[np.argsort(first)] = np.arange(ids.size)
+
+        def where(n) -> np.ndarray:          # order positions of nodes on the queries' paths
+            return rank[np.searchsorted(ids, n)]
+
+        # each node's parent (the next entry of its path) as an order position, -1 at a root
+        up = np.where(is_root[at], -1, where(walk[np.minimum(at + 1, walk.size - 1)]))
+        has_up = up >= 0
+        pu = np.where(has_up, up, 0)
+        keep = np.zeros(order.size, dtype=bool)
+        keep[where(query_nodes)] = True
+        if drafts is not None:
+            k = int(np.searchsorted(ids, drafts[0]))
+            if k == ids.size or ids[k] != drafts[0]:
+                raise ValueError(f"draft anchor {drafts[0]} is not on the path of a query node")
+            keep[rank[k]] = True
+        # Merge the chains of single-child nodes that hold no query (a prompt cached in blocks is
+        # one node a block) into one node each: a node whose parent has it as its only child and
+        # neither is kept goes into its parent. A chain is consecutive in ``order`` (each of its
+        # nodes is first reached from its one child), so an absorbed node's chain top is the
+        # next node left.
+        # Its tokens follow its parent's, so every query sees the same tokens in the same order;
+        # a query's node keeps its own tokens only (what ``extra`` and the decode windows'
+        # prefixes count). Fewer, longer nodes make cheaper plans and longer work items.
+        kids = np.bincount(up[has_up], minlength=order.size)
+        absorbed = has_up & (kids[pu] == 1) & ~keep[pu] & ~keep
+        left = np.flatnonzero(~absorbed)
+        index = np.searchsorted(left, np.arange(order.size))   # order position -> node after merging
+        parents = np.where(has_up[left], index[pu[left]], -1)
         # a chain's slots are fixed while it exists (its nodes have children, so they no longer
         # grow): kept from the call before, where a serving batch's cached prompts recur
         cache, self._chain_slots = self._chain_slots, {}
-        chunks = []
-        for n in order:
-            if n in merged:
-                key = tuple(merged[n])
+        chunks, lengths = [], []             # (a node's extra slots: a chunk of their own)
+        order, lo = order.tolist(), 0
+        for j in left.tolist():
+            n = order[j]
+            if j > lo:                       # order[lo:j] merge into n: its chain, top-down
+                key = tuple(order[lo:j + 1][::-1])
                 c = cache.get(key)
                 if c is None:
                     c = np.concatenate([self.kv.own_slots(m) for m in key])
                 self._chain_slots[key] = c
             else:
                 c = self.kv.own_slots(n)
-            chunks.append(np.concatenate((c, extra[n])) if n in extra else c)
-        lengths = [c.size for c in chunks]
-        qn = [index[q] for q in query_nodes]
+            chunks.append(c)
+            e = extra.get(n)
+            if e is None:
+                lengths.append(c.size)
+            else:
+                chunks.append(e)
+                lengths.append(c.size + e.size)
+            lo = j + 1
+        qn = index[where(query_nodes)]
         if drafts is not None:
             anchor, dpar, dslots = drafts
-            base = len(order)
+            base = left.size
             dpar = np.asarray(dpar, dtype=np.int64)
-            parents = np.concatenate((parents, np.where(dpar < 0, index[anchor], base + dpar)))
+            parents = np.concatenate((parents, np.where(dpar < 0, index[where(anchor)], base + dpar)))
             lengths = np.concatenate((lengths, np.ones(dpar.size, dtype=np.int64)))
             chunks.append(np.asarray(dslots, dtype=np.int64))
             qn = np.concatenate((qn, np.arange(base, base + dpar.size)))
         lengths = np.asarray(lengths, dtype=np.int64)
-        qn = np.asarray(qn, dtype=np.int64)
-        self._last_tree = DecodingTree.from_parents(
-            parents, lengths, query_nodes=qn, query_prefix=lengths[qn],
-            kv_indices=np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64),
-            page_size=self.kv.pool.page_size, num_slots=self.kv.pool.num_slots, reuse=self._last_tree)
+        indptr = np.zeros(lengths.size + 1, dtype=np.int64)
+        lengths.cumsum(out=indptr[1:])
+        # every array is a fresh int64 one made here: the constructor takes them as they are
+        # (from_parents would copy the ~1e5 slots once more)
+        self._last_tree = DecodingTree(
+            parents, lengths, indptr, np.concatenate(chunks), qn, lengths[qn],
+            self.kv.pool.page_size, self.kv.pool.num_slots, self._last_tree)
         return self._last_tree
