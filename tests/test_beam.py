@@ -64,7 +64,8 @@ def test_eos_stops_early_with_results_frozen(tiny):
     np.testing.assert_allclose(ours["scores"], scores, atol=1e-4)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="a CPU model on the Triton backend needs the interpreter")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="a CPU model on the Triton backend needs the interpreter")
 def test_triton_backend_in_interpreter(tiny):
     hf, model = tiny
     prompt = [7, 3, 99, 12, 5]
