@@ -24,7 +24,7 @@ from treeattn.engine.config import PRESETS, ModelConfig, load_config
 from treeattn.engine.parallel import TensorParallel
 from treeattn.engine.workloads import WORKLOADS, WorkloadSpec, build_workload
 
-__all__ = ["add_run_parser", "add_bench_e2e_parser", "add_model_args", "load_model"]
+__all__ = ["add_run_parser", "add_bench_e2e_parser", "add_model_args", "load_model", "init_ranks", "add_grid_args"]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +56,15 @@ def add_model_args(p, default_random=None) -> None:
     p.add_argument("--no-fused-layers", action="store_true",
                    help="PyTorch ops instead of the fused Triton norm / RoPE / SwiGLU kernels on CUDA")
     add_log_level(p)
+
+
+def add_grid_args(p) -> None:
+    """``--tp`` / ``--sp``, shared by ``run`` and ``serve``."""
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel ranks: heads, MLP and vocabulary split over them (default: 1)")
+    p.add_argument("--sp", type=positive_int, default=1,
+                   help="ranks sharding the KV along the sequence, each holding --tp ranks (default: 1); "
+                        "start TP x SP processes with torchrun --nproc-per-node TP*SP")
 
 
 def add_run_parser(subparsers) -> argparse.ArgumentParser:
@@ -97,11 +106,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="OUT", default=None, help="write the result and per-step stats here")
     p.add_argument("--dump-logits", action="store_true", help="sample / fewshot: last logits of every leaf")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--tp", type=positive_int, default=1,
-                   help="tensor-parallel ranks: heads, MLP and vocabulary split over them (default: 1)")
-    p.add_argument("--sp", type=positive_int, default=1,
-                   help="ranks sharding the KV along the sequence, each holding --tp ranks (default: 1); "
-                        "start TP x SP processes with torchrun --nproc-per-node TP*SP")
+    add_grid_args(p)
     p.set_defaults(func=run_command)
     return p
 
@@ -170,18 +175,17 @@ def _engine_kw(args) -> dict:
             "pdl": False if args.no_pdl else None, "compile_workers": args.compile_workers}
 
 
-def _init_ranks(args):
-    """This process's :class:`~treeattn.engine.parallel.Grid` for ``--tp`` / ``--sp``
-    (initialises torch.distributed under torchrun)."""
+def init_ranks(args, command: str = "run"):
+    """This process's :class:`~treeattn.engine.parallel.Grid` for ``--tp`` / ``--sp`` of
+    ``treeattn <command>`` (initialises torch.distributed under torchrun); ValueError first when
+    the model does not split over ``--tp`` ranks or the processes are not ``--tp x --sp``."""
     from treeattn.engine.parallel import init_grid
 
-    if args.sp > 1 and args.workload.startswith("speculative"):
-        raise ValueError("--sp > 1 does not support the speculative workloads")
     if args.tp > 1:
         cfg = load_config(args.model) if args.model else ModelConfig.preset(args.random_weights)
         TensorParallel(0, args.tp).check(cfg)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return init_grid(args.tp, args.sp, device)
+    return init_grid(args.tp, args.sp, device, command=command)
 
 
 def _prompt_ids(args) -> list:
@@ -314,7 +318,9 @@ def run_command(args) -> int:
     try:
         check_run_args(args)
         prepare_output(args.json, "--json")
-        grid = _init_ranks(args)
+        if args.sp > 1 and args.workload.startswith("speculative"):
+            raise ValueError("--sp > 1 does not support the speculative workloads")
+        grid = init_ranks(args)
         model = load_model(args, tp=grid.tp)
         prompts = _prompts(args, model)
         _check_positions(args, model, prompts)

@@ -16,7 +16,7 @@ from treeattn import STRATEGIES
 from treeattn.bench.serve import TRAFFICS
 from treeattn.cli.args import (add_log_level, existing_file, nonnegative_int, positive_float, positive_int,
                                prepare_output)
-from treeattn.cli.engine import add_model_args, load_model
+from treeattn.cli.engine import add_grid_args, add_model_args, init_ranks, load_model
 
 __all__ = ["add_serve_parser", "add_bench_serve_parser", "serve_command", "bench_serve_command", "int_range_arg",
            "traffic_options"]
@@ -55,6 +55,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds running requests get to finish before they are cancelled")
     p.add_argument("--chat-template", metavar="FILE", type=existing_file, default=None,
                    help="Jinja chat template (default: the model directory's tokenizer_config.json)")
+    add_grid_args(p)
     p.set_defaults(func=serve_command)
     return p
 
@@ -128,30 +129,54 @@ def _port(text: str) -> int:
 
 
 def serve_command(args) -> int:
-    from treeattn.engine import TreeEngine
-    from treeattn.serve.scheduler import Scheduler
-    from treeattn.serve.server import run_server
+    """``treeattn serve``; with ``--tp`` / ``--sp`` under torchrun every rank runs it, rank 0
+    serving HTTP and the others following its scheduler (:mod:`treeattn.serve.parallel`)."""
+    import torch.distributed as dist
 
     if args.prefix_block % args.page_size:
         log.warning("--prefix-block %d is not a multiple of --page-size %d: cached blocks will "
                     "copy partly filled pages", args.prefix_block, args.page_size)
-    model = load_model(args)
+    grid = init_ranks(args, "serve")
+    try:
+        return _serve(args, grid)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(args, grid) -> int:
+    from treeattn.serve.scheduler import Scheduler
+    from treeattn.serve.server import run_server
+
+    model = load_model(args, tp=grid.tp)
     # graph_tokens: every batch's CUDA graphs at creation (a capture mid-serving stalls every request)
-    engine = TreeEngine(model, strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens,
-                        window=args.window, cuda_graphs=False if args.no_cuda_graphs else None,
-                        keep_reserved=True, compile_workers=args.compile_workers,
-                        graph_tokens=args.max_batch)
+    kw = dict(strategy=args.strategy, page_size=args.page_size, kv_tokens=args.kv_tokens, window=args.window,
+              cuda_graphs=False if args.no_cuda_graphs else None, keep_reserved=True,
+              compile_workers=args.compile_workers, graph_tokens=args.max_batch)
+    if grid.sp_group is not None:
+        from treeattn.engine.sharded import ShardedTreeEngine
+        engine = ShardedTreeEngine(model, group=grid.sp_group, **kw)
+    else:
+        from treeattn.engine import TreeEngine
+        engine = TreeEngine(model, **kw)
     limit = min(model.config.max_position_embeddings, args.kv_tokens)
     max_len = min(args.max_model_len, limit) if args.max_model_len else limit
     name = args.served_model_name or args.model or args.random_weights
     engine.precompile_kernels()   # (a no-op where the engine compiled at creation, as on a GPU)
     if engine.compiled_launches:
         log.info("compiled the attention kernels in %.1f s", engine.compile_s)
-    scheduler = Scheduler(engine, max_queue=args.max_queue, max_batch=args.max_batch,
-                          block_tokens=args.prefix_block, prefill_chunk=args.prefill_chunk,
-                          overlap=not args.no_overlap)
-    log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages)", name, args.host, args.port,
-             max_len, engine.pool.num_pages)
+    options = dict(max_queue=args.max_queue, max_batch=args.max_batch, block_tokens=args.prefix_block,
+                   prefill_chunk=args.prefill_chunk, overlap=not args.no_overlap)
+    if grid.world > 1:
+        from treeattn.serve.parallel import ReplicatedScheduler, control_group
+        scheduler = ReplicatedScheduler(engine, group=control_group(), agree_pages=grid.sp_group is not None,
+                                        **options)
+        if grid.rank != 0:
+            return scheduler.follow(grace=args.shutdown_grace)
+    else:
+        scheduler = Scheduler(engine, **options)
+    log.info("serving %s on http://%s:%d (max_model_len %d, %d KV pages%s)", name, args.host, args.port,
+             max_len, engine.pool.num_pages, f" per rank, --tp {args.tp} --sp {args.sp}" if grid.world > 1 else "")
     chat = _chat_template(args, model)
     api_key = args.api_key or os.environ.get("TREEATTN_API_KEY") or None
     log.info("chat template: %s; API key %s", "yes" if chat is not None else "none (no /v1/chat/completions)",
@@ -159,7 +184,7 @@ def serve_command(args) -> int:
     run_server(scheduler, host=args.host, port=args.port, model_name=name, tokenizer=model.tokenizer,
                max_model_len=max_len, log_level=getattr(args, "log_level", "info"), chat_template=chat,
                api_key=api_key, shutdown_grace=args.shutdown_grace)
-    return 0
+    return 1 if getattr(scheduler, "error", None) is not None else 0
 
 
 def _chat_template(args, model):

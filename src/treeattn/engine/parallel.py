@@ -140,12 +140,13 @@ def make_grid(tp: int, sp: int) -> Grid:
                 sp_groups[t] if sp > 1 else None, s)
 
 
-def init_grid(tp: int, sp: int, device_type: str) -> Grid:
+def init_grid(tp: int, sp: int, device_type: str, *, command: str = "run") -> Grid:
     """Initialise ``torch.distributed`` from torchrun's environment (NCCL on CUDA, gloo on CPU)
     and build the ``tp x sp`` grid (:func:`make_grid`).
 
     Returns a one-rank grid without initialising anything when ``tp * sp`` is 1 and the process
-    was not started by torchrun.
+    was not started by torchrun. ``command``: the ``treeattn`` sub-command the error messages
+    name.
 
     Raises
     ------
@@ -159,7 +160,7 @@ def init_grid(tp: int, sp: int, device_type: str) -> Grid:
     if env_world is None or "RANK" not in os.environ:
         if world > 1:
             raise ValueError(f"--tp {tp} --sp {sp} needs {world} processes started by torchrun: "
-                             f"torchrun --nproc-per-node {world} -m treeattn.cli run ...")
+                             f"torchrun --nproc-per-node {world} -m treeattn.cli {command} ...")
         return Grid(0, 1, None, None, 0)
     if int(env_world) != world:
         raise ValueError(f"--tp {tp} x --sp {sp} = {world} ranks, but torchrun started {env_world} processes")

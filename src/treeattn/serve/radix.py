@@ -37,13 +37,17 @@ class PrefixCache:
     block_tokens : int
         Node length (a multiple of the pool's page size keeps boundaries page-aligned); equal
         prefixes are reused at this granularity.
+    free_pages : callable, optional
+        ``free_pages()`` -> int: the free pages eviction works towards (default: the pool's; the
+        ranks of a sequence-sharded server agree on the fewest of theirs).
     """
 
-    def __init__(self, engine, block_tokens: int = 64):
+    def __init__(self, engine, block_tokens: int = 64, *, free_pages=None):
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.engine = engine
         self.block = int(block_tokens)
+        self.free_pages = free_pages or (lambda: engine.pool.num_free_pages)
         self._run: dict[int, tuple] = {}                    # node -> its own tokens
         self._kids: dict[int | None, dict[tuple, int]] = {None: {}}
         self._parent: dict[int, int | None] = {}
@@ -176,9 +180,9 @@ class PrefixCache:
     def evict(self, free_pages: int) -> int:
         """Evict unreferenced blocks, least recently used first, until the pool has ``free_pages``
         free pages or nothing is left to evict; returns the number of blocks evicted."""
-        pool, tree = self.engine.pool, self.engine.tree
+        tree = self.engine.tree
         done = 0
-        while pool.num_free_pages < free_pages and self._heap:
+        while self.free_pages() < free_pages and self._heap:
             used, node = heapq.heappop(self._heap)
             if node not in self._run or node in self._pins or tree.children(node):
                 continue                              # referenced again: pushed when released
@@ -194,7 +198,7 @@ class PrefixCache:
             if parent is not None:
                 self._evictable(parent)
         if done:
-            log.debug("evicted %d cached blocks; %d pages free", done, pool.num_free_pages)
+            log.debug("evicted %d cached blocks; %d pages free", done, self.engine.pool.num_free_pages)
         return done
 
     def clear(self) -> int:

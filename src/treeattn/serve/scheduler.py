@@ -189,6 +189,11 @@ def _elapsed_ms(*pairs) -> float | None:
     return sum(start.elapsed_time(end) for start, end in pairs)
 
 
+def _seed_of(params: SamplingParams) -> int:
+    """The seed of a request's random streams: its own, else a fresh one."""
+    return params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
+
+
 class Scheduler:
     """Continuous batching over one engine, driven by its own thread.
 
@@ -224,7 +229,7 @@ class Scheduler:
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0 (0: no chunking), got {prefill_chunk}")
         self.engine = engine
-        self.cache = PrefixCache(engine, block_tokens)
+        self.cache = PrefixCache(engine, block_tokens, free_pages=self._free_pages)
         self.max_queue, self.max_batch = int(max_queue), int(max_batch)
         self.prefill_chunk, self.overlap = int(prefill_chunk), bool(overlap)
         self.eos = frozenset(engine.model.config.eos_token_ids)
@@ -315,7 +320,7 @@ class Scheduler:
             if self._queued >= self.max_queue:
                 raise QueueFull(f"the queue holds {self._queued} requests (limit {self.max_queue})")
             self._queued += 1
-            req = Request(next(self._ids), [int(t) for t in prompt], params, emit)
+            req = Request(next(self._ids), [int(t) for t in prompt], params, emit, seed=_seed_of(params))
             self._calls.append(lambda: self._waiting.append(req))
             self._cv.notify_all()
         return req.id
@@ -404,23 +409,27 @@ class Scheduler:
                     self._cv.wait()
                 if self._stop:
                     return
-            self._run_calls()
-            if not self._running:         # no decode in flight: the next interval starts now
-                self._synced = time.perf_counter()
-                self._forward_events = None
-            try:
-                self._admit()
-                if self._running:
-                    self._step()
-            except Exception as e:       # keep serving: fail the batch, free its KV
-                log.exception("engine step failed")
-                for req in list(self._running):
-                    self._fail(req, f"engine error: {e}")
-                # a failed batched prefill leaves the blocks it cached without K/V: evict them all
-                # (the waiting requests' chunks too) so that no prompt matches them
-                for req in self._waiting:
-                    self._unpin(req)
-                self.cache.clear()
+            self._iterate()
+
+    def _iterate(self) -> None:
+        """One turn of the loop: the queued calls, admissions, then one step."""
+        self._run_calls()
+        if not self._running:         # no decode in flight: the next interval starts now
+            self._synced = time.perf_counter()
+            self._forward_events = None
+        try:
+            self._admit()
+            if self._running:
+                self._step()
+        except Exception as e:       # keep serving: fail the batch, free its KV
+            log.exception("engine step failed")
+            for req in list(self._running):
+                self._fail(req, f"engine error: {e}")
+            # a failed batched prefill leaves the blocks it cached without K/V: evict them all
+            # (the waiting requests' chunks too) so that no prompt matches them
+            for req in self._waiting:
+                self._unpin(req)
+            self.cache.clear()
 
     def _run_calls(self) -> None:
         with self._cv:
@@ -475,11 +484,14 @@ class Scheduler:
     def _batch_size(self) -> int:
         return sum(len(r.leaves) for r in self._running)
 
+    def _free_pages(self) -> int:
+        """Free pages of the KV pool, as admission, eviction and preemption see them."""
+        return self.engine.pool.num_free_pages
+
     def _ensure_free(self, pages: int) -> bool:
-        pool = self.engine.pool
-        if pool.num_free_pages < pages:
+        if self._free_pages() < pages:
             self.cache.evict(pages)
-        return pool.num_free_pages >= pages
+        return self._free_pages() >= pages
 
     def _admit(self) -> None:
         """Admit waiting requests while the batch and the KV pool allow; the prompts admitted (and
@@ -495,7 +507,6 @@ class Scheduler:
                 p = req.params
                 req.outputs = [[] for _ in range(p.n)]
                 req.finish = [None] * p.n
-                req.seed = p.seed if p.seed is not None else int(np.random.SeedSequence().entropy % 2**63)
                 req.streams = sample_streams(req.seed, req.prompt, p.n).tolist()
             if req.params.use_beam_search:
                 if self._running:           # a beam search runs alone, once the batch drained
@@ -614,13 +625,8 @@ class Scheduler:
                                    eos_token_ids=() if p.ignore_eos else sorted(self.eos | set(p.stop_token_ids)),
                                    num_return_sequences=p.n)
 
-        def check(step, stats) -> None:
-            with self._cv:
-                if self._stop or req.id in self._cancelled:
-                    raise _Cancelled
-            self._run_calls()           # submissions, aborts and stats() wait for no beam search
         try:
-            out = eng.run(ctl, on_step=check)
+            out = eng.run(ctl, on_step=lambda step, stats: self._between_beam_steps(req))
         except _Cancelled:
             log.info("beam search %d cancelled", req.id)
             return
@@ -645,6 +651,14 @@ class Scheduler:
             last = gen[-1] if gen else None
             events.append(Event(i, last, "stop" if stopped else "length"))
         req.emit(events)
+
+    def _between_beam_steps(self, req: Request) -> None:
+        """Run the queued calls (submissions, aborts and stats() wait for no beam search); raise
+        :class:`_Cancelled` when ``req``'s client left or the scheduler stops."""
+        with self._cv:
+            if self._stop or req.id in self._cancelled:
+                raise _Cancelled
+        self._run_calls()
 
     def _options(self, order: list) -> RowOptions:
         """The sampling options of the step's rows ``(request, choice)``."""

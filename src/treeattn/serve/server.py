@@ -13,6 +13,7 @@ gives running ones ``shutdown_grace`` seconds to finish, cancels the rest and ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -35,6 +36,7 @@ from treeattn.serve.protocol import (
     parse_completion,
     usage_body,
 )
+from treeattn.serve.parallel import ReplicatedScheduler
 from treeattn.serve.scheduler import QueueFull, Scheduler
 
 __all__ = ["create_app", "ServerThread", "run_server"]
@@ -460,11 +462,23 @@ def create_app(scheduler: Scheduler, *, model_name: str, tokenizer=None, max_mod
 
 
 class _Server(uvicorn.Server):
-    """uvicorn that answers 503 to new requests from the moment it is told to exit."""
+    """uvicorn that answers 503 to new requests from the moment it is told to exit, and calls
+    ``before_exit`` once it has shut down, before it re-raises the signal it shut down for (whose
+    default action ends the process)."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: _Lifecycle | None):
+    def __init__(self, config: uvicorn.Config, lifecycle: _Lifecycle | None, before_exit=None):
         super().__init__(config)
         self._lifecycle = lifecycle
+        self._before_exit = before_exit
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                if self._before_exit is not None:
+                    self._before_exit()
 
     def handle_exit(self, sig, frame) -> None:
         self.drain()
@@ -530,14 +544,20 @@ class ServerThread:
 def run_server(scheduler: Scheduler, *, host: str, port: int, model_name: str, tokenizer=None,
                max_model_len: int, log_level: str = "info", chat_template=None, api_key: str | None = None,
                shutdown_grace: float = 10.0) -> None:
-    """Serve until SIGTERM / SIGINT, then drain (:meth:`_Server.drain`) and stop the scheduler."""
+    """Serve until SIGTERM / SIGINT, then drain (:meth:`_Server.drain`) and stop the scheduler
+    (a :class:`~treeattn.serve.parallel.ReplicatedScheduler` on rank 0: its stop ends every rank's
+    loop)."""
     app = create_app(scheduler, model_name=model_name, tokenizer=tokenizer, max_model_len=max_model_len,
                      chat_template=chat_template, api_key=api_key)
     scheduler.start()
     # lifespan off: the app has no startup hooks, and uvicorn's re-raised SIGINT cancelled the
     # lifespan task, which logged a traceback at every Ctrl-C
+    # the scheduler stops before a SIGTERM is re-raised: a replicated one tells the other ranks
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                    timeout_graceful_shutdown=shutdown_grace), _lifecycle_of(app))
+                                    timeout_graceful_shutdown=shutdown_grace), _lifecycle_of(app),
+                     before_exit=scheduler.stop)
+    if isinstance(scheduler, ReplicatedScheduler):      # lost its other ranks: nothing left to serve
+        scheduler.stop_listeners.append(server.drain)
     try:
         server.run()
     except KeyboardInterrupt:       # uvicorn re-raises the SIGINT it shut down for: a normal exit
