@@ -28,6 +28,19 @@ def test_summary_counts_auto_within_5pct_of_the_fastest_strategy():
     assert "cases_compared" not in got["32/32"]  # auto alone: nothing to compare its choice with
 
 
+def test_summary_holds_eager_runs_against_their_graph_replays_where_the_gpu_hides_the_host():
+    rows = [_row("a", 32, 8, 10.0, {"auto": 40.0}), _row("b", 32, 8, 10.0, {"auto": 60.0}),
+            _row("c", 32, 8, 10.0, {"auto": 100.0})]
+    rows[0]["us"]["auto"] = 90.0   # (under 50 us of GPU time: not held to 1.2x)
+    rows[1]["us"]["auto"] = 71.0
+    rows[2]["us"]["auto"] = 130.0
+    for r, host in zip(rows, (12.0, 20.0, 16.0)):
+        r["auto_host_us"] = host
+    s = kernels.summarize(rows)["32/8"]
+    assert s["eager_cases_over_50us"] == 2 and s["eager_within_1_2x_of_graph"] == 1
+    assert s["auto_host_us_median"] == 16.0 and s["auto_host_us_max"] == 20.0
+
+
 @pytest.mark.parametrize("workers", [None, 0, 3])
 def test_compile_workers_precompile_each_head_config_before_the_cases(tmp_path, monkeypatch, workers):
     calls = []

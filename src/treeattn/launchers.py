@@ -5,6 +5,7 @@ sequence of launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
@@ -78,12 +79,26 @@ def launch_cache(plan: Plan) -> dict:
     """The compiled kernels that :func:`partial_attention` and :func:`merge_partials` launch for
     ``plan`` (kept on the plan object: made on its first run, reused by every layer and step).
 
-    Triton binds and specialises every argument on each ``kernel[grid](...)`` call, ~25 us of
-    host time a launch on the H200's host against ~9 us for the launch itself. A call whose inputs match an earlier one's in everything
-    Triton specialises on (dtypes, 16-byte alignment of the tensors, the scalars, the
-    constexprs and launch options) launches that call's compiled kernel directly. Under
-    Triton's interpreter nothing is compiled or kept."""
+    Triton binds and specialises every argument on each ``kernel[grid](...)`` call, and its
+    launcher asks the driver about every tensor it is given (``cuPointerGetAttribute``): ~25 us of
+    host time a launch on the H200's host against ~9 us for the launch itself. A call whose inputs
+    match an earlier one's in everything Triton specialises on (dtypes, 16-byte alignment of the
+    tensors, the scalars, the constexprs and launch options) launches that call's compiled kernel
+    directly (:class:`_Kept`), its tensors passed as addresses. Under Triton's interpreter nothing
+    is compiled or kept."""
     return plan.__dict__.setdefault("_launch_cache", {})
+
+
+def _plan_addresses(plan: Plan, cache: dict) -> tuple:
+    """Device addresses of the plan's index tensors in :func:`partial_attention`'s argument order
+    (fixed for the plan object: read once)."""
+    addr = cache.get("addresses")
+    if addr is None:
+        mask = (plan.tree_mask, plan.query_pos, plan.query_prefix) if plan.has_mask else (plan.kv_indices,) * 3
+        addr = cache["addresses"] = tuple(t.data_ptr() for t in (
+            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
+            plan.row_q_indices, plan.row_direct, *mask, plan.merge_indptr, plan.merge_indices))
+    return addr
 
 
 def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
@@ -102,31 +117,57 @@ def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
     return max(spans) >= 1 << 31
 
 
-def _aligned(*tensors) -> tuple:
-    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+@functools.cache
+def _direct_launch() -> bool:
+    """Whether this Triton's compiled kernels launch as ``run(gx, gy, gz, stream, function,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` (what
+    ``CompiledKernel.__getitem__`` calls in the Triton versions this was checked on) and say where
+    a profiler's launch hooks are: :class:`_Kept` then calls it directly."""
+    import inspect
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    names = list(inspect.signature(CudaLauncher.__call__).parameters)
+    return hasattr(triton, "knobs") and names[:10] == [
+        "self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+        "launch_enter_hook", "launch_exit_hook"]
+
+
+def _aligned(*addresses: int) -> tuple:
+    return tuple(a % 16 == 0 for a in addresses)
+
+
+class _Kept:
+    """A compiled kernel with its grid and trailing (constexpr) arguments, launched without
+    Triton's per-call binding: ``launch(stream, args)`` with tensors given as device addresses
+    (ints, which Triton's launcher takes as they are) on the raw CUDA stream ``stream``."""
+
+    __slots__ = ("compiled", "grid", "tail", "run", "function", "metadata")
+
+    def __init__(self, compiled: CompiledKernel, grid: tuple, tail: tuple):
+        compiled._init_handles()
+        self.compiled, self.grid, self.tail = compiled, grid, tail
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+    def launch(self, stream: int, args: tuple) -> None:
+        if _direct_launch() and triton.knobs.runtime.launch_enter_hook is None:
+            g = self.grid
+            self.run(g[0], g[1], g[2], stream, self.function, self.metadata, None, None, None, *args, *self.tail)
+        else:  # (a profiler's launch hooks, or a Triton whose launcher this does not know)
+            self.compiled[self.grid](*args, *self.tail)
 
 
 def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None, key) -> None:
     """``kernel[grid](*args, **kwargs)``, keeping the compiled kernel in ``cache`` under ``key``
-    (which must tell apart every specialisation of these arguments) for :func:`_launch_kept`."""
+    (which must tell apart every specialisation of these arguments) as a :class:`_Kept`."""
     compiled = kernel[grid](*args, **kwargs)
     if cache is None:
         return
     params = kernel.params[len(args):]
     if isinstance(compiled, CompiledKernel) and all(p.name in kwargs or p.has_default for p in params):
         # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
-        cache[key] = (compiled, grid + (1,) * (3 - len(grid)),
-                      tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params))
-
-
-def _launch_kept(cache: dict | None, key, args: tuple) -> bool:
-    """Launch the compiled kernel kept under ``key`` with ``args``; False when there is none."""
-    hit = cache.get(key) if cache is not None else None
-    if hit is None:
-        return False
-    compiled, grid, tail = hit
-    compiled[grid](*args, *tail)
-    return True
+        cache[key] = _Kept(compiled, grid + (1,) * (3 - len(grid)),
+                           tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params))
 
 
 def _pdl_kwargs(pdl: bool) -> dict:
@@ -235,9 +276,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
     side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
-               lse_part.stride(0), out_arg.stride(0), out_arg.stride(1), lse_arg.stride(0))
+    sq, sk, sv, sp, so = q.stride(), k_cache.stride(), v_cache.stride(), o_part.stride(), out_arg.stride()
+    strides = (sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sp[0], sp[1], lse_part.stride(0), so[0], so[1],
+               lse_arg.stride(0))
     # int64 offsets only where some tensor may span 2^31 elements (a cache past 4 GiB in 16 bits):
     # int32 ones take about half the address instructions
     wide = _wide(plan, strides, k_cache.shape[0])
@@ -246,8 +287,13 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         # what this call's launches are specialised on beyond the plan's own tensors (fixed for
         # the plan object) and each launch's config: one key part for all of them
         cache = launch_cache(plan)
-        call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None,
-                pdl, merge_last, wide, _aligned(q, k_cache, v_cache, o_part, lse_part, out_arg, lse_arg, layer))
+        dev = torch.cuda.current_device()  # (where Triton launches, as its own path does)
+        addr = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o_part.data_ptr(), lse_part.data_ptr(),
+                out_arg.data_ptr(), lse_arg.data_ptr(), layer.data_ptr())
+        call = (dev, q.dtype, strides, layer_stride, sm_scale, lse_out is not None, pdl, merge_last, wide,
+                _aligned(*addr))
+        plan_addr = _plan_addresses(plan, cache)
+        qa, ka, va, pa, la, oa, loa, layer_a = addr
     if pdl and (side or q.device.type != "cuda"):
         raise ValueError("pdl needs CUDA tensors and no side streams")
     pdl_args = _pdl_kwargs(pdl)
@@ -256,21 +302,27 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         stream.wait_stream(main)
 
     last = len(plan.launches) - 1
+    scale = sm_scale * LOG2E.value
 
     def launch_group(i: int, launch, first: bool) -> None:
         descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
                  if launch.tma and launch.contig and h.head_dim == block_d else None)
+        # (descriptors go through Triton's own path: it specialises them on more)
+        kept = cache if descs is None else None
+        hit = kept.get((i, call)) if kept is not None else None
+        if hit is not None:
+            hit.launch(torch._C._cuda_getCurrentRawStream(dev), (
+                qa, ka, va, None, None, pa, la, oa, loa, *plan_addr, launch.work_start,
+                launch.work_end - launch.work_start, h.num_kv_heads, scale, layer_a, layer_stride, int(first),
+                *strides))
+            return
         args = (
             q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
             plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
             plan.row_q_indices, plan.row_direct, *mask_args, plan.merge_indptr, plan.merge_indices,
-            launch.work_start, launch.work_end - launch.work_start, h.num_kv_heads, sm_scale * LOG2E.value, layer,
+            launch.work_start, launch.work_end - launch.work_start, h.num_kv_heads, scale, layer,
             layer_stride, int(first),
             *strides)
-        # (descriptors go through Triton's own path: it specialises them on more)
-        kept = cache if descs is None else None
-        if _launch_kept(kept, (i, call), args):
-            return
         units = launch.work_end - launch.work_start
         merges = merge_last and i == last
         if launch.programs:
@@ -330,9 +382,13 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
             out.stride(0), out.stride(1), lse_arg.stride(0))
     key = None
     if cache is not None:
-        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, row_tile,
-               num_warps, pdl, lse_out is not None, _aligned(*args[:7]))
-        if _launch_kept(cache, key, args):
+        dev = torch.cuda.current_device()
+        addr = tuple(t.data_ptr() for t in args[:7])
+        key = ("merge", dev, out.dtype, o_part.dtype, args[7:], block_h, row_tile, num_warps, pdl,
+               lse_out is not None, _aligned(*addr))
+        hit = cache.get(key)
+        if hit is not None:
+            hit.launch(torch._C._cuda_getCurrentRawStream(dev), addr + args[7:])
             return
     kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
                   num_warps=num_warps, **_pdl_kwargs(pdl))

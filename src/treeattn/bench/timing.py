@@ -49,12 +49,13 @@ def time_run(wrapper, plan, q, k_cache, v_cache, out) -> tuple[float, float]:
     return eager, replay
 
 
-def host_us(fn, n: int = 50) -> float:
-    """Microseconds of host time a call of ``fn`` while the GPU sleeps (~1 s), so the calls only
-    queue. Keep ``n`` times the kernels a call launches under CUDA's pending-launch queue (~1000),
-    or the host ends up waiting for the GPU."""
+def host_us(fn, n: int = 50, *, sleep_cycles: int = 2_000_000_000) -> float:
+    """Microseconds of host time a call of ``fn`` while the GPU sleeps (``sleep_cycles`` clock
+    cycles, ~1 s by default: longer than the ``n`` calls take), so the calls only queue. Keep
+    ``n`` times the kernels a call launches under CUDA's pending-launch queue (~1000), or the host
+    ends up waiting for the GPU."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)
+    torch.cuda._sleep(sleep_cycles)
     t = time.perf_counter()
     for _ in range(n):
         fn()
