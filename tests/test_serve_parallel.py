@@ -4,6 +4,7 @@ n = 2 sampling and beam-search completions (streamed and not, sent together) wit
 a single-process server on the same weights; SIGTERM to torchrun ends every rank within the
 grace period, the other ranks once rank 0 has stopped them; bad grids fail before any work."""
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -130,7 +131,8 @@ def test_torchrun_serve_equals_one_process_and_stops_on_sigterm(model_dir, refer
          "-m", "treeattn.cli", "serve", "--model", str(model_dir), "--device", "cpu", *grid,
          "--port", str(port), "--kv-tokens", str(OPTIONS["kv_tokens"]), "--page-size", str(OPTIONS["page_size"]),
          "--prefix-block", str(OPTIONS["block_tokens"]), "--served-model-name", "tiny",
-         "--shutdown-grace", str(GRACE), "--log-level", "info"], env=env, stdout=log, stderr=subprocess.STDOUT)
+         "--shutdown-grace", str(GRACE), "--log-level", "info"], env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)  # (a process group of its own: a failed test kills the ranks too)
     url = f"http://127.0.0.1:{port}"
     try:
         end = time.monotonic() + 60
@@ -163,9 +165,9 @@ def test_torchrun_serve_equals_one_process_and_stops_on_sigterm(model_dir, refer
         assert "waiting for rank 0 to stop the group" in out and "lost the other ranks" not in out, out[-3000:]
         assert "engine step failed" not in out, out[-3000:]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        with contextlib.suppress(ProcessLookupError):   # torchrun and every rank it started
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         log.close()
 
 
