@@ -121,8 +121,9 @@ def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
 def _direct_launch() -> bool:
     """Whether this Triton's compiled kernels launch as ``run(gx, gy, gz, stream, function,
     packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` (what
-    ``CompiledKernel.__getitem__`` calls in the Triton versions this was checked on) and say where
-    a profiler's launch hooks are: :class:`_Kept` then calls it directly."""
+    ``CompiledKernel.__getitem__`` calls in Triton 3.9) and say where a profiler's launch hooks
+    are: :class:`_Kept` then calls it directly, else through the compiled kernel's own runner
+    (still with the tensors as addresses)."""
     import inspect
 
     from triton.backends.nvidia.driver import CudaLauncher
