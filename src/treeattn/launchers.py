@@ -154,7 +154,7 @@ class _Kept:
         if _direct_launch() and triton.knobs.runtime.launch_enter_hook is None:
             g = self.grid
             self.run(g[0], g[1], g[2], stream, self.function, self.metadata, None, None, None, *args, *self.tail)
-        else:  # (a profiler's launch hooks, or a Triton whose launcher this does not know)
+        else:  # (a launch hook, hooks kept as a chain object as in Triton 3.9, or an unknown launcher)
             self.compiled[self.grid](*args, *self.tail)
 
 
