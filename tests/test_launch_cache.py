@@ -74,35 +74,20 @@ def test_a_patched_plan_keeps_its_own_kernels():
 
 
 class _FakeCompiled:
-    """What :class:`treeattn.launchers._Kept` uses of a compiled kernel, recording its calls."""
+    """A compiled kernel's ``kernel[grid]`` runner, recording its calls."""
 
     def __init__(self):
-        self.calls, self.function, self.packed_metadata = [], 7, ("meta",)
-
-    def _init_handles(self):
-        self.run = lambda *a: self.calls.append(("run", a))
+        self.calls = []
 
     def __getitem__(self, grid):
-        return lambda *a: self.calls.append(("runner", grid, a))
+        return lambda *a: self.calls.append((grid, a))
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_kept_kernels_launch_through_the_launcher_with_addresses(monkeypatch, direct):
-    import treeattn.launchers as launchers
+def test_kept_kernels_run_their_runner_with_addresses_and_their_constexprs():
+    from treeattn.launchers import _Kept
 
-    monkeypatch.setattr(launchers, "_direct_launch", lambda: direct)
-    # (no profiler's hook: Tritons whose hooks are a chain object take the runner, as with a hook)
-    monkeypatch.setattr(launchers.triton.knobs.runtime, "launch_enter_hook", None)
     fake = _FakeCompiled()
-    kept = launchers._Kept(fake, (3, 2, 1), ("BLOCK", 64))
-    kept.launch(99, (0x1000, 5, 0.5))
-    if direct:   # grid, stream, function, metadata, no launch metadata or hooks, then every argument
-        assert fake.calls == [("run", (3, 2, 1, 99, 7, ("meta",), None, None, None, 0x1000, 5, 0.5, "BLOCK", 64))]
-    else:        # the compiled kernel's own runner, on the current stream
-        assert fake.calls == [("runner", (3, 2, 1), (0x1000, 5, 0.5, "BLOCK", 64))]
-
-
-def test_the_direct_launch_knows_this_tritons_launcher():
-    from treeattn.launchers import _direct_launch
-
-    assert isinstance(_direct_launch(), bool)
+    kept = _Kept(fake, (3, 2, 1), ("BLOCK", 64))
+    kept.launch((0x1000, 5, 0.5))
+    kept.launch((0x2000, 6, 0.5))
+    assert fake.calls == [((3, 2, 1), (0x1000, 5, 0.5, "BLOCK", 64)), ((3, 2, 1), (0x2000, 6, 0.5, "BLOCK", 64))]

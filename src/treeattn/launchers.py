@@ -5,7 +5,6 @@ sequence of launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Sequence
@@ -83,9 +82,9 @@ def launch_cache(plan: Plan) -> dict:
     launcher asks the driver about every tensor it is given (``cuPointerGetAttribute``): ~25 us of
     host time a launch on the H200's host against ~9 us for the launch itself. A call whose inputs
     match an earlier one's in everything Triton specialises on (dtypes, 16-byte alignment of the
-    tensors, the scalars, the constexprs and launch options) launches that call's compiled kernel
-    directly (:class:`_Kept`), its tensors passed as addresses. Under Triton's interpreter nothing
-    is compiled or kept."""
+    tensors, the scalars, the constexprs and launch options) runs that call's compiled kernel
+    (:class:`_Kept`), its tensors passed as addresses. Under Triton's interpreter nothing is
+    compiled or kept."""
     return plan.__dict__.setdefault("_launch_cache", {})
 
 
@@ -117,45 +116,22 @@ def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
     return max(spans) >= 1 << 31
 
 
-@functools.cache
-def _direct_launch() -> bool:
-    """Whether this Triton's compiled kernels launch as ``run(gx, gy, gz, stream, function,
-    packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`` (what
-    ``CompiledKernel.__getitem__`` calls in Triton 3.9) and say where a profiler's launch hooks
-    are: :class:`_Kept` then calls it directly, else through the compiled kernel's own runner
-    (still with the tensors as addresses)."""
-    import inspect
-
-    from triton.backends.nvidia.driver import CudaLauncher
-
-    names = list(inspect.signature(CudaLauncher.__call__).parameters)
-    return hasattr(triton, "knobs") and names[:10] == [
-        "self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
-        "launch_enter_hook", "launch_exit_hook"]
-
-
 def _aligned(*addresses: int) -> tuple:
     return tuple(a % 16 == 0 for a in addresses)
 
 
 class _Kept:
-    """A compiled kernel with its grid and trailing (constexpr) arguments, launched without
-    Triton's per-call binding: ``launch(stream, args)`` with tensors given as device addresses
-    (ints, which Triton's launcher takes as they are) on the raw CUDA stream ``stream``."""
+    """A compiled kernel's runner for its grid with its trailing (constexpr) arguments, launched
+    without Triton's per-call binding: ``launch(args)`` with tensors given as device addresses
+    (ints, which Triton's launcher takes as they are, without asking the driver about them)."""
 
-    __slots__ = ("compiled", "grid", "tail", "run", "function", "metadata")
+    __slots__ = ("runner", "tail")
 
     def __init__(self, compiled: CompiledKernel, grid: tuple, tail: tuple):
-        compiled._init_handles()
-        self.compiled, self.grid, self.tail = compiled, grid, tail
-        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.runner, self.tail = compiled[grid], tail
 
-    def launch(self, stream: int, args: tuple) -> None:
-        if _direct_launch() and triton.knobs.runtime.launch_enter_hook is None:
-            g = self.grid
-            self.run(g[0], g[1], g[2], stream, self.function, self.metadata, None, None, None, *args, *self.tail)
-        else:  # (a launch hook, hooks kept as a chain object as in Triton 3.9, or an unknown launcher)
-            self.compiled[self.grid](*args, *self.tail)
+    def launch(self, args: tuple) -> None:
+        self.runner(*args, *self.tail)
 
 
 def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None, key) -> None:
@@ -288,10 +264,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         # what this call's launches are specialised on beyond the plan's own tensors (fixed for
         # the plan object) and each launch's config: one key part for all of them
         cache = launch_cache(plan)
-        dev = torch.cuda.current_device()  # (where Triton launches, as its own path does)
         addr = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o_part.data_ptr(), lse_part.data_ptr(),
                 out_arg.data_ptr(), lse_arg.data_ptr(), layer.data_ptr())
-        call = (dev, q.dtype, strides, layer_stride, sm_scale, lse_out is not None, pdl, merge_last, wide,
+        call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None, pdl, merge_last, wide,
                 _aligned(*addr))
         plan_addr = _plan_addresses(plan, cache)
         qa, ka, va, pa, la, oa, loa, layer_a = addr
@@ -312,7 +287,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         kept = cache if descs is None else None
         hit = kept.get((i, call)) if kept is not None else None
         if hit is not None:
-            hit.launch(torch._C._cuda_getCurrentRawStream(dev), (
+            hit.launch((
                 qa, ka, va, None, None, pa, la, oa, loa, *plan_addr, launch.work_start,
                 launch.work_end - launch.work_start, h.num_kv_heads, scale, layer_a, layer_stride, int(first),
                 *strides))
@@ -383,13 +358,12 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
             out.stride(0), out.stride(1), lse_arg.stride(0))
     key = None
     if cache is not None:
-        dev = torch.cuda.current_device()
         addr = tuple(t.data_ptr() for t in args[:7])
-        key = ("merge", dev, out.dtype, o_part.dtype, args[7:], block_h, row_tile, num_warps, pdl,
+        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, row_tile, num_warps, pdl,
                lse_out is not None, _aligned(*addr))
         hit = cache.get(key)
         if hit is not None:
-            hit.launch(torch._C._cuda_getCurrentRawStream(dev), addr + args[7:])
+            hit.launch(addr + args[7:])
             return
     kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
                   num_warps=num_warps, **_pdl_kwargs(pdl))
