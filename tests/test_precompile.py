@@ -75,35 +75,79 @@ def test_precompile_variants_run(device, page_size):
         torch.cuda.synchronize()
     else:
         first = 0 if page_size == 1 else 8
-        assert pc._launch_share(heads, page_size, device, False, False, first, 16, profile=H200) == \
-            len(range(first, total, 16)) > 0
+        assert pc._launch_variants(heads, page_size, device, False, False, profile=H200,
+                                   indices=range(first, total, 16)) == len(range(first, total, 16)) > 0
 
 
-@pytest.mark.parametrize("count", [2, 3, 7])
-def test_worker_shares_partition_the_variants(recorded, count):
-    """The workers' shares (every ``count``-th variant) launch each variant exactly once between them."""
+def test_indices_launch_those_variants(recorded):
+    """A worker launches the variants whose numbers it takes, no others."""
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, profile=H200)
+    everything = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200)
     full = list(recorded)
     assert everything == len(full) == len(set(full))
     recorded.clear()
-    shares = [pc._launch_share(heads, 16, torch.device("cpu"), True, True, i, count, profile=H200) for i in range(count)]
-    assert sum(shares) == everything and max(shares) - min(shares) <= 1
-    assert sorted(map(repr, recorded)) == sorted(map(repr, full))
+    assert pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200,
+                               indices=iter([5, 0, everything - 1])) == 3
+    assert recorded == [full[5], full[0], full[-1]]
+
+
+@pytest.mark.parametrize("workers", [1, 3, 7])
+def test_the_work_queue_gives_each_variant_to_one_worker(recorded, monkeypatch, workers):
+    """The workers, started with the queue's read end, take every variant exactly once between
+    them, whichever of them reads next (here: the stand-in processes take one record each in
+    turn, some stopping early), and are told the launch mode."""
+    heads = HeadConfig(32, 8, 128, torch.bfloat16)
+    count = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, merge_last=False)
+    procs = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, args, *, pass_fds, **kw):
+            fd, = pass_fds
+            assert f"--queue-fd={fd}" in args and "--no-merge-last" in args and "--pdl" in args
+            self.fd = os.dup(fd)  # (the parent closes its copy once they started)
+            self.queue = pc._taken(self.fd)
+            self.taken = []
+            procs.append(self)
+
+        def communicate(self):
+            return "", ""
+
+    monkeypatch.setattr(pc.subprocess, "Popen", Proc)
+    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(range(count)))
+    pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, workers, False, None, H200)
+    live = list(procs)
+    while live:
+        for p in list(live):
+            if (len(p.taken) == 3 and p is not procs[0]) or (i := next(p.queue, None)) is None:
+                live.remove(p)
+            else:
+                p.taken.append(i)
+    assert len(procs) == workers
+    assert sorted(i for p in procs for i in p.taken) == list(range(count))
+    for p in procs:
+        os.close(p.fd)
 
 
 def test_worker_reads_its_arguments(monkeypatch):
-    """A worker process gets the planner's profile (as JSON), the vocabulary and its share."""
+    """A worker process gets the planner's profile (as JSON), the vocabulary and the work queue,
+    and launches the variants it takes from the queue."""
     seen = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(pc, "_launch_share", lambda *a, **kw: seen.append((a, kw)))
+    monkeypatch.setattr(pc, "_launch_variants", lambda *a, indices, **kw: seen.append((a, kw, list(indices))))
     profile = dataclasses.replace(H200, num_sms=100, tile_tall_tma=(64, 4, 2))
+    queue, feed = os.pipe()
+    for i in (4, 1, 300):
+        os.write(feed, i.to_bytes(4, "little"))
+    os.close(feed)
     pc.main(["--heads=8,2,16", "--dtype=bfloat16", "--page-size=16", "--device=cpu", "--pdl", "--vocab=300",
-             f"--profile={profile.to_json()}", "--index=1", "--count=3"])
-    (args, kw), = seen
-    assert args == (HeadConfig(8, 2, 16, torch.bfloat16), 16, torch.device("cpu"), True, False, 1, 3)
-    assert kw == dict(profile=profile, merge_last=True, vocab=300)
+             f"--profile={profile.to_json()}", f"--queue-fd={queue}"])
+    os.close(queue)
+    (args, kw, taken), = seen
+    assert args == (HeadConfig(8, 2, 16, torch.bfloat16), 16, torch.device("cpu"), True, False)
+    assert kw == dict(profile=profile, merge_last=True, vocab=300) and taken == [4, 1, 300]
 
 
 def test_workers_compile_only_on_cuda(recorded, monkeypatch):
@@ -114,10 +158,11 @@ def test_workers_compile_only_on_cuda(recorded, monkeypatch):
 
 
 @pytest.mark.slow
-def test_failed_worker_raises_naming_it():
+def test_failed_worker_raises_naming_it(monkeypatch):
     """A worker that cannot compile (here: no CUDA device) fails the call with its error, not a hang."""
     if torch.cuda.is_available():
         pytest.skip("the workers would compile")
+    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(range(100)))  # (this process counts them)
     with pytest.raises(RuntimeError, match=r"precompile worker \d of 2 failed"):
         pc._compile_in_workers(HeadConfig(8, 2, 16, torch.float16), 16, torch.device("cuda", 0), False, False, 2,
                                True, None, H200)
@@ -129,7 +174,7 @@ def test_workers_get_the_current_cuda_device(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(pc, "_compile_in_workers", lambda heads, page, device, *a: seen.append(device))
-    monkeypatch.setattr(pc, "_launch_share", lambda *a, **kw: 0)
+    monkeypatch.setattr(pc, "_launch_variants", lambda *a, **kw: 0)
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2, profile=H200)
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2, profile=H200)
     assert seen == [torch.device("cuda", 3), torch.device("cuda", 1)]
@@ -157,10 +202,10 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
     """``merge_last=False`` (plans whose GQA group never folds) leaves out exactly the variants
     whose launch merges, and the workers are told so."""
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, profile=H200)
+    everything = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200)
     merging = sum(1 for c in recorded if c[0] == "attention" and c[4])
     recorded.clear()
-    assert pc._launch_share(heads, 16, torch.device("cpu"), True, True, 0, 1, profile=H200, merge_last=False) \
+    assert pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, merge_last=False) \
         == everything - merging and merging > 0
     assert not any(c[0] == "attention" and c[4] for c in recorded)
     argv = []
@@ -175,6 +220,7 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
             return "", ""
 
     monkeypatch.setattr(pc.subprocess, "Popen", Proc)
+    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(range(3)))
     pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, 2, False, None,
                                        H200)  # (uncached)
     assert len(argv) == 2 and all("--no-merge-last" in a and f"--profile={H200.to_json()}" in a for a in argv)

@@ -4,8 +4,9 @@ process calls :func:`precompile` at start-up, in worker processes where it is gi
 :meth:`treeattn.TreeAttention.precompile` with the wrapper's launch mode,
 :meth:`treeattn.engine.TreeEngine.precompile_kernels` with the engine's.
 
-:func:`main` is the worker (a new interpreter): it launches its share of the variants, so that
-Triton writes them to its on-disk cache, which the process that started it then reads.
+:func:`main` is the worker (a new interpreter): it launches the variants it takes from a work
+queue shared with the other workers, so that Triton writes them to its on-disk cache, which the
+process that started it then reads.
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     ``merge_last``: the plans' last launch may merge (:attr:`~treeattn.plan.format.Plan.merge_last`;
     :attr:`~treeattn.plan.select.profiles.DeviceProfile.merge_last_min_group`); without it, no merging variant.
     ``workers``: on a CUDA device, first compile in this many worker processes (each launches
-    every ``workers``-th variant on the same device, so Triton writes it to its on-disk cache;
+    the next variant no other has taken, on the same device, so Triton writes it to its on-disk cache;
     this process then loads them from there). Each holds a CUDA context while it runs.
     0 or 1: compile in this process.
     ``vocab``: also every variant of the fused sampling kernel
@@ -108,8 +109,7 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last, vocab, profile)
-    return _launch_share(heads, page_size, device, pdl, tma, 0, 1, merge_last=merge_last, vocab=vocab,
-                         profile=profile)
+    return _launch_variants(heads, page_size, device, pdl, tma, merge_last=merge_last, vocab=vocab, profile=profile)
 
 
 def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
@@ -175,29 +175,51 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
                 o_part, lse_part, idx[:-1], idx, idx[:-1], out, lse, max_rows=rows, pdl=pdl)
 
 
-def _launch_share(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, index: int,
-                  count: int, *, profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None) -> int:
-    """Launch variants ``index``, ``index + count``, ... of :func:`_variants`; returns how many."""
+def _launch_variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
+                     profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None,
+                     indices=None) -> int:
+    """Launch the variants of :func:`_variants` numbered ``indices`` (an iterable of ints, each
+    taken as it is needed; None: all of them, in order); returns how many."""
+    variants = _variants(heads, page_size, device, pdl, tma, profile=profile, merge_last=merge_last, vocab=vocab)
+    if indices is not None:
+        listed = list(variants)
+        variants = (listed[i] for i in indices)
     launches = 0
-    for launch in itertools.islice(_variants(heads, page_size, device, pdl, tma, profile=profile,
-                                             merge_last=merge_last, vocab=vocab), index, None, count):
+    for launch in variants:
         launch()
         launches += 1
     return launches
 
 
+#: bytes of a work queue's record (one variant's number)
+_RECORD = 4
+
+
+def _taken(fd: int):
+    """Yield the variant numbers this process takes from the work queue read from ``fd``, until the
+    queue is empty (its writer has closed it). Every record was written by one ``write`` of
+    ``_RECORD`` bytes and is read by one ``read`` of as many, so each goes to exactly one reader."""
+    while record := os.read(fd, _RECORD):
+        yield int.from_bytes(record, "little")
+
+
 @functools.cache
 def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
                         workers: int, merge_last: bool, vocab: int | None, profile: DeviceProfile) -> None:
-    """Run ``workers`` processes of :func:`main`, each its share of the
-    variants on ``device`` (``cuda:N``); raise RuntimeError naming the first that failed. Once a
-    process for each set of arguments (cached): a later call finds the variants in this process's
-    JIT cache, where starting the workers again made it take 8.6-11.9 s instead of 0.1 s
-    (measured on an H100, 16 workers)."""
+    """Run ``workers`` processes of :func:`main` on ``device`` (``cuda:N``), which take the
+    variants from one work queue (a pipe) until it is empty; raise RuntimeError naming the first
+    that failed. Variants take 0.2-3.6 s each to compile: given every ``workers``-th one, the
+    16 workers of an H200 host finished 38-49 s after they started (8B heads, 444 variants); taking
+    the next one whenever it is free, within a second or two of each other. Once a process for
+    each set of arguments (cached): a later call finds the variants in this process's JIT cache,
+    where starting the workers again made it take 8.6-11.9 s instead of 0.1 s (measured on an
+    H100, 16 workers)."""
     t0 = time.perf_counter()
+    count = sum(1 for _ in _variants(heads, page_size, device, pdl, tma, profile=profile, merge_last=merge_last,
+                                     vocab=vocab))
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
-              f"--device={device}", f"--count={workers}"] + ["--pdl"] * pdl + ["--tma"] * tma \
+              f"--device={device}"] + ["--pdl"] * pdl + ["--tma"] * tma \
         + ["--no-merge-last"] * (not merge_last) + [f"--vocab={vocab}"] * (vocab is not None) \
         + [f"--profile={profile.to_json()}"]
     # (a new interpreter, not a fork: CUDA cannot be used in a forked child; and not
@@ -205,20 +227,32 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     # ``-m treeattn.precompile``, which the package's import would load a second time)
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-c", "from treeattn.precompile import main; main()", *common,
-                               f"--index={i}"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for i in range(workers)]
+    queue, feed = os.pipe()
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", "from treeattn.precompile import main; main()", *common,
+                                   f"--queue-fd={queue}"], env=env, pass_fds=(queue,),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for _ in range(workers)]
+    finally:
+        os.close(queue)
+    try:
+        # (written after the workers started, so a queue longer than the pipe's buffer cannot block)
+        for i in range(count):
+            os.write(feed, i.to_bytes(_RECORD, "little"))
+    except BrokenPipeError:
+        pass  # every worker has exited: their errors are raised below
+    finally:
+        os.close(feed)
     errors = [(i, p.communicate()[1]) for i, p in enumerate(procs)]
     failed = [(i, err) for (i, err), p in zip(errors, procs) if p.returncode]
     if failed:
         i, err = failed[0]
         raise RuntimeError(f"precompile worker {i} of {workers} failed:\n{err[-2000:]}")
-    log.info("compiled the kernel variants in %d worker processes in %.1f s", workers, time.perf_counter() - t0)
+    log.info("compiled %d kernel variants in %d worker processes in %.1f s", count, workers, time.perf_counter() - t0)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description="precompile's worker: launch every COUNT-th kernel variant")
+    ap = argparse.ArgumentParser(description="precompile's worker: launch the kernel variants taken from a work queue")
     ap.add_argument("--heads", required=True, help="query heads, KV heads, head dim")
     ap.add_argument("--dtype", required=True, choices=("float16", "bfloat16", "float32"))
     ap.add_argument("--page-size", type=int, required=True)
@@ -228,14 +262,13 @@ def main(argv=None) -> None:
     ap.add_argument("--no-merge-last", action="store_true")
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--profile", required=True, help="the DeviceProfile as JSON")
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--count", type=int, required=True)
+    ap.add_argument("--queue-fd", type=int, required=True, help="the work queue's read end (variant numbers)")
     args = ap.parse_args(argv)
     hq, hkv, d = map(int, args.heads.split(","))
     device = torch.device(args.device)
     torch.cuda.set_device(device)  # (Triton compiles for the current device)
-    _launch_share(HeadConfig(hq, hkv, d, getattr(torch, args.dtype)), args.page_size, device, args.pdl, args.tma,
-                  args.index, args.count, profile=DeviceProfile.from_json(args.profile, source="--profile"),
-                  merge_last=not args.no_merge_last, vocab=args.vocab)
+    _launch_variants(HeadConfig(hq, hkv, d, getattr(torch, args.dtype)), args.page_size, device, args.pdl, args.tma,
+                     profile=DeviceProfile.from_json(args.profile, source="--profile"),
+                     merge_last=not args.no_merge_last, vocab=args.vocab, indices=_taken(args.queue_fd))
     torch.cuda.synchronize()
 
