@@ -79,16 +79,21 @@ def test_precompile_variants_run(device, page_size):
                                    indices=range(first, total, 16)) == len(range(first, total, 16)) > 0
 
 
-def test_indices_launch_those_variants(recorded):
-    """A worker launches the variants whose numbers it takes, no others."""
+def test_indices_launch_those_variants(recorded, monkeypatch):
+    """A worker launches the variants whose numbers it takes, no others, each as it would be
+    launched in order (the variants are listed before the first launch)."""
+    monkeypatch.setattr(pc, "gumbel_argmax", lambda x, *, streams, counter, scale, stats: recorded.append(
+        ("sample", streams is None, isinstance(counter, int), isinstance(scale, float), stats, x.shape[1])))
+    monkeypatch.setattr(pc, "row_topk_candidates", lambda x, k: recorded.append(("topk", k, x.shape[1])))
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200)
+    everything = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, vocab=300)
     full = list(recorded)
     assert everything == len(full) == len(set(full))
     recorded.clear()
-    assert pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200,
-                               indices=iter([5, 0, everything - 1])) == 3
-    assert recorded == [full[5], full[0], full[-1]]
+    picked = [5, 0, 3, 20, everything - 1, 40]
+    assert pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, vocab=300,
+                               indices=iter(picked)) == len(picked)
+    assert recorded == [full[i] for i in picked]
 
 
 @pytest.mark.parametrize("workers", [1, 3, 7])

@@ -114,15 +114,18 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
 
 def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
               profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None):
-    """Yield one callable per variant, which launches it (on dummy data, shared between them)."""
+    """Yield one callable per variant, which launches it (on dummy data, shared between them).
+    Each binds what it launches with as its defaults: a worker calls them after the generator has
+    moved on and rebound its loop variables."""
     if vocab is not None:
         # sampling: with or without noise, the counter and the temperature for the step or per
         # row (the server's), with or without the log-softmax normaliser
         x = torch.zeros(2, vocab, device=device)
-        rows, scales = torch.zeros(2, dtype=torch.int64, device=device), torch.ones(2, device=device)
+        row_ids, scales = torch.zeros(2, dtype=torch.int64, device=device), torch.ones(2, device=device)
         for noise, row_counter, row_scale, stats in itertools.product((False, True), repeat=4):
-            yield lambda noise=noise, c=row_counter, r=row_scale, stats=stats: gumbel_argmax(
-                x, streams=rows if noise else None, counter=rows if c else 0, scale=scales if r else 1.0, stats=stats)
+            yield lambda streams=row_ids if noise else None, counter=row_ids if row_counter else 0, \
+                scale=scales if row_scale else 1.0, stats=stats: gumbel_argmax(
+                    x, streams=streams, counter=counter, scale=scale, stats=stats)
         # beam search's candidates
         for k in TOPK_CANDIDATES:
             yield lambda k=k: row_topk_candidates(x, k)
