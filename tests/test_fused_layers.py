@@ -88,9 +88,10 @@ def test_rope_qkv_cache(gen, device, dtype, n, heads, kv_heads, head_dim):
     kc_ref, vc_ref = kc.clone().index_copy_(0, slots, k_ref), vc.clone().index_copy_(0, slots, v_ref)
 
     q_out = torch.empty(n, heads, head_dim, dtype=dtype, device=device)
+    counter = torch.full((1,), -1, dtype=torch.int32, device=device)
     q, k, v = fused.rope_qkv_cache(qkv, cos, sin, positions, slots, kc, vc, heads, kv_heads, head_dim,
-                                   q_out=q_out)
-    assert q is q_out
+                                   q_out=q_out, layer_out=counter, layer=n + 6)
+    assert q is q_out and counter.item() == n + 6   # the attention graph's layer counter
     assert_close(q, q_ref)
     assert_close(k, k_ref)
     assert torch.equal(v, v_ref)
@@ -147,7 +148,12 @@ def test_invalid_arguments(device):
         fused.rope_qkv_cache(qkv, tab, tab, idx.float(), idx, cache, cache, 4, 1, 16)
     with pytest.raises(ValueError, match="k_cache"):
         fused.rope_qkv_cache(qkv, tab, tab, idx, idx, cache.half(), cache, 4, 1, 16)
-    empty = fused.rope_qkv_cache(qkv[:0], tab, tab, idx[:0], idx[:0], cache, cache, 4, 1, 16)
+    with pytest.raises(ValueError, match="layer_out"):
+        fused.rope_qkv_cache(qkv, tab, tab, idx, idx, cache, cache, 4, 1, 16, layer_out=idx[:1], layer=2)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    empty = fused.rope_qkv_cache(qkv[:0], tab, tab, idx[:0], idx[:0], cache, cache, 4, 1, 16, layer_out=counter,
+                                 layer=5)
+    assert counter.item() == 5                     # (no token: the counter still moves on)
     assert [t.shape[0] for t in empty] == [0, 0, 0]
 
 
@@ -222,7 +228,8 @@ def test_qk_norm_models_fused_match_unfused(device, arch):
 @pytest.mark.parametrize("fz", [False, True])
 def test_output_buffers_of_the_pieces(device, fz):
     """``q_out`` / ``out`` (what the CUDA-graph segments use) give the same values as fresh outputs,
-    also when ``out`` is the input ``h``."""
+    also when ``out`` is the input ``h``; ``layer_out`` receives the layer (the attention graph's
+    counter)."""
     model = TreeModel.random("tiny", device=device, fused=fz)
     c, n = model.config, 3
     model.ensure_positions(16)
@@ -232,8 +239,11 @@ def test_output_buffers_of_the_pieces(device, fz):
     pos, slots = torch.tensor([3, 4, 4], device=device), torch.tensor([7, 2, 9], device=device)
     q, k, _ = model.pre_attention(0, h, pos, slots, caches)
     q_out = torch.full_like(q, float("nan"))
-    q2, k2, _ = model.pre_attention(0, h, pos, slots, caches, q_out=q_out)
-    assert q2 is q_out and torch.equal(q2, q) and torch.equal(k2, k)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    q2, k2, _ = model.pre_attention(1, h, pos, slots, caches, q_out=q_out, layer_out=counter)
+    assert counter.item() == 1
+    q2, k2, _ = model.pre_attention(0, h, pos, slots, caches, q_out=q_out, layer_out=counter)
+    assert q2 is q_out and torch.equal(q2, q) and torch.equal(k2, k) and counter.item() == 0
     assert torch.equal(caches[0][0][slots], k)
     o = torch.randn(n, c.num_heads, c.head_dim, device=device)
     h_new = model.post_attention(0, h, o)

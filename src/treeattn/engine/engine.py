@@ -149,10 +149,12 @@ class TreeEngine(SpeculativeSteps):
         use_graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         # a tensor-parallel model's collectives are not captured: it runs eagerly
         use_graphs = use_graphs and model.tp is None
-        self.graphs = DecodeGraphs(model, self.kv) if use_graphs and model.device.type == "cuda" else None
+        use_graphs = use_graphs and model.device.type == "cuda"
         self._attn_graph = None
-        if self.graphs is not None and self.attention.backend == "triton" and self.kv.layer_stride is not None:
+        if use_graphs and self.attention.backend == "triton" and self.kv.layer_stride is not None:
             self._attn_graph = AttentionGraph(*self._paged[0], self.kv.layer_stride)
+        self.graphs = DecodeGraphs(model, self.kv, layer_counter=None if self._attn_graph is None
+                                   else self._attn_graph.counter) if use_graphs else None
         self.window = max(1, int(window))
         self.synchronize = synchronize
         self.keep_reserved = keep_reserved

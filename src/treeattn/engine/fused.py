@@ -108,7 +108,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def rope_qkv_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-                   num_kv_heads: int, head_dim: int, *, q_out: torch.Tensor | None = None
+                   num_kv_heads: int, head_dim: int, *, q_out: torch.Tensor | None = None,
+                   layer_out: torch.Tensor | None = None, layer: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE of q and k and the K/V cache write of ``n`` tokens, in one kernel.
 
@@ -127,6 +128,11 @@ def rope_qkv_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
         ``Hq``, ``Hkv`` and ``D`` (even).
     q_out : [n, Hq, D], dtype of ``qkv``, unit last stride, optional
         Where the rotated queries go (a new contiguous tensor by default).
+    layer_out : int32 [1], optional
+        Receives ``layer`` (the attention graph's layer counter,
+        :class:`~treeattn.engine.graphs.AttentionGraph`), written by the same kernel.
+    layer : int
+        The value for ``layer_out``.
 
     Returns
     -------
@@ -154,15 +160,21 @@ def rope_qkv_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, posi
     q = torch.empty(n, hq, d, dtype=dt, device=dev) if q_out is None else q_out
     _check(q.shape == (n, hq, d) and q.dtype == dt and q.stride(2) == 1 and q.device == dev,
            f"q_out: expected {dt} [{n}, {hq}, {d}] with unit last stride")
+    if layer_out is not None:
+        _check(layer_out.shape == (1,) and layer_out.dtype == torch.int32 and layer_out.device == dev,
+               f"layer_out: expected int32 [1] on {dev}, got {layer_out.dtype} {tuple(layer_out.shape)}")
     if n:
         positions, slots = positions.contiguous(), slots.contiguous()
         half = d // 2
         _rope_kv_kernel[(n, hq + 2 * hkv)](
-            qkv, cos, sin, positions, slots, q, k_cache, v_cache,
+            qkv, cos, sin, positions, slots, q, k_cache, v_cache, q if layer_out is None else layer_out, layer,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d, HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=1 if half <= 64 else 2)
+            BLOCK_HALF=triton.next_power_of_2(half), WRITE_LAYER=layer_out is not None,
+            num_warps=1 if half <= 64 else 2)
+    elif layer_out is not None:
+        layer_out.fill_(layer)
     k = qkv[:, qs: qs + kvs].view(n, hkv, d)
     v = qkv[:, qs + kvs:].view(n, hkv, d)
     return q, k, v

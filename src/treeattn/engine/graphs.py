@@ -33,10 +33,13 @@ class DecodeGraphs:
     verify : bool
         Compare the first run of every bucket with the eager pass and fall back to eager
         execution (logging a warning) when they differ.
+    layer_counter : int32 [1], optional
+        The :class:`AttentionGraph`'s layer counter: each layer's RoPE kernel writes its layer there
+        before the layer's attention replays.
     """
 
-    def __init__(self, model, kv, *, verify: bool = True):
-        self.model, self.kv, self.verify = model, kv, verify
+    def __init__(self, model, kv, *, verify: bool = True, layer_counter: torch.Tensor | None = None):
+        self.model, self.kv, self.verify, self.layer_counter = model, kv, verify, layer_counter
         self.disabled = False
         self.max_diff = 0.0      # largest relative L2 difference graph vs eager seen by check()
         self._graphs: dict[int, list] = {}
@@ -78,17 +81,17 @@ class DecodeGraphs:
         b, model, caches = self._bufs, self.model, self.kv.caches
         tok, h, q, o, logits = b["tok"][:m], b["h"][:m], b["q"][:m], b["o"][:m], b["logits"][:m]
         pos, slots = b["meta"][:m], b["meta"][m: 2 * m]
-        last = model.config.num_layers - 1
+        last, counter = model.config.num_layers - 1, self.layer_counter
 
         # the pieces write straight into the static buffers (q_out / out), saving two copies a layer
         def first():
             h.copy_(model.embed(tok))
-            model.pre_attention(0, h, pos, slots, caches, q_out=q)
+            model.pre_attention(0, h, pos, slots, caches, q_out=q, layer_out=counter)
 
         def middle(layer):
             def seg():
                 model.post_attention(layer, h, o, out=h)
-                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q)
+                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q, layer_out=counter)
             return seg
 
         def final():
@@ -197,7 +200,8 @@ class AttentionGraph:
     launches at ~36 us of host time each, so 32 layers of a prefix-aware plan took longer to enqueue
     than a small step takes on the GPU. The plan changes every step, so the launches are captured
     once per step and replayed for each layer. The kernels read the layer from a device counter
-    that the graph increments after its launches: replay ``i`` of a step attends layer ``i``.
+    that the layer's RoPE kernel, in the decode graph before it, has written
+    (:class:`DecodeGraphs`' ``layer_counter``; an increment in this graph cost a launch a layer).
 
     Parameters
     ----------
@@ -214,10 +218,9 @@ class AttentionGraph:
 
     def capture(self, attention, q: torch.Tensor, out: torch.Tensor, plan, *,
                 sm_scale: float | None = None) -> torch.cuda.CUDAGraph:
-        """Capture ``attention.run`` of ``plan`` into ``out`` and the counter's increment; reset the
-        counter to layer 0 (on the current stream, before the first replay). A step whose layers
-        use two plans (full and sliding-window layers) captures one graph for each: every replay,
-        whichever graph it is, attends the next layer."""
+        """Capture ``attention.run`` of ``plan`` into ``out``, for the layer in :attr:`counter` at
+        each replay. A step whose layers use two plans (full and sliding-window layers) captures
+        one graph for each."""
         graph = torch.cuda.CUDAGraph()
         # capture_begin directly: torch.cuda.graph() would synchronise and collect garbage, every step
         with torch.cuda.stream(self._stream):
@@ -225,14 +228,12 @@ class AttentionGraph:
             try:
                 attention.run(q, self.k_cache, self.v_cache, plan, out=out, sm_scale=sm_scale,
                               layer=self.counter, layer_stride=self.layer_stride)
-                self.counter.add_(1)
             finally:
                 graph.capture_end()
-        self.counter.zero_()
         return graph
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        """Replay ``graph`` (from :meth:`capture`) for the next layer, then record a timing event.
+        """Replay ``graph`` (from :meth:`capture`) for the counter's layer, then record a timing event.
 
         Why the event: with this graph's replays and the decode graphs' alternating back to back on
         one stream, back-to-back decode steps ran 10-20% slower than the same steps issued behind

@@ -196,11 +196,12 @@ class TreeModel:
         return torch.cat((q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v), dim=-1)
 
     def pre_attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      caches, *, q_out: torch.Tensor | None = None
+                      caches, *, q_out: torch.Tensor | None = None, layer_out: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Norm, q/k/v projection and RoPE of ``h [n, hidden]`` at ``positions`` int64 ``[n]``; K/V
         are written to ``slots`` int64 ``[n]`` of the layer's cache. Returns ``(q [n, Hq, D], k, v
-        [n, Hkv, D])``; ``q`` is written into ``q_out [n, Hq, D]`` (and returned) when given.
+        [n, Hkv, D])``; ``q`` is written into ``q_out [n, Hq, D]`` (and returned) when given, and
+        ``layer`` into ``layer_out`` (int32 [1]: the attention graph's layer counter) when given.
 
         Fused (Llama-like layers): 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
         c, w = self.config, self.weights.layers[layer]
@@ -212,7 +213,10 @@ class TreeModel:
             qkv = self._qk_norm(qkv, w)
         if self.fused:
             return fused.rope_qkv_cache(qkv, cos, sin, positions, slots, kc, vc, self.num_heads,
-                                        self.num_kv_heads, c.head_dim, q_out=q_out)
+                                        self.num_kv_heads, c.head_dim, q_out=q_out, layer_out=layer_out,
+                                        layer=layer)
+        if layer_out is not None:
+            layer_out.fill_(layer)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos, sin = cos.index_select(0, positions), sin.index_select(0, positions)
         q = apply_rope(q.view(n, self.num_heads, c.head_dim), cos, sin)

@@ -36,19 +36,24 @@ def _rms_norm_kernel(X, R, H_OUT, Y, W, stride_x, stride_r, stride_h, stride_y, 
 
 
 @triton.jit
-def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, KC, VC,
+def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, KC, VC, LAYER_OUT, layer,
                     stride_qkv, stride_cos, stride_sin, stride_qo_n, stride_qo_h,
                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
                     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, WRITE_LAYER: tl.constexpr):
     """One program = one head of one token of the fused q/k/v projection ``[n, (Hq + 2 Hkv) D]``.
 
     Heads ``[0, Hq)`` are query heads (rotated into ``Q_OUT``), ``[Hq, Hq + Hkv)`` key heads
     (rotated into the cache at the token's slot, and back into ``QKV`` so that the caller's ``k``
-    view is the rotated key), the rest value heads (copied into the cache).
+    view is the rotated key), the rest value heads (copied into the cache). ``WRITE_LAYER``:
+    program ``(0, 0)`` also stores ``layer`` into ``LAYER_OUT`` (int32 [1]), the layer counter that
+    the attention graph's kernels read (a store here saves a launch of its own every layer).
     """
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if WRITE_LAYER:
+        if row == 0 and head == 0:
+            tl.store(LAYER_OUT, layer)
     dt = QKV.dtype.element_ty
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < HALF
