@@ -250,6 +250,35 @@ def test_output_buffers_of_the_pieces(device, fz):
     assert model.post_attention(0, h, o, out=h) is h and torch.equal(h, h_new)
 
 
+@pytest.mark.parametrize("fz", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_next_layer_is_post_then_pre_attention(device, fz, dtype):
+    """``next_layer`` (the decode graphs' segment between two attentions: the MLP's residual add
+    fused into the next layer's norm) gives the hidden state, q and K/V of ``post_attention`` of a
+    layer followed by ``pre_attention`` of the next."""
+    model = TreeModel.random("tiny", device=device, dtype=dtype, fused=fz)
+    c, n = model.config, 3
+    model.ensure_positions(16)
+
+    def caches():
+        return [(torch.zeros(16, c.num_kv_heads, c.head_dim, device=device, dtype=dtype),
+                 torch.zeros(16, c.num_kv_heads, c.head_dim, device=device, dtype=dtype)) for _ in range(c.num_layers)]
+
+    h = torch.randn(n, c.hidden_size, device=device).to(dtype)
+    o = torch.randn(n, c.num_heads, c.head_dim, device=device).to(dtype)
+    pos, slots = torch.tensor([3, 4, 4], device=device), torch.tensor([7, 2, 9], device=device)
+    ref_caches, got_caches = caches(), caches()
+    h_ref = model.post_attention(0, h, o)
+    q_ref, k_ref, _ = model.pre_attention(1, h_ref, pos, slots, ref_caches)
+    h_got, counter = h.clone(), torch.zeros(1, dtype=torch.int32, device=device)
+    q_out = torch.full_like(q_ref, float("nan"))
+    q = model.next_layer(0, h_got, o, pos, slots, got_caches, q_out=q_out, layer_out=counter)
+    assert q is q_out and counter.item() == 1
+    assert_close(h_got, h_ref)   # (Triton's interpreter rounds the fused add to bfloat16 by truncation)
+    assert_close(q, q_ref)
+    assert_close(got_caches[1][0][slots], k_ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_into_a_buffer(device, dtype):
     """The decode graphs' LM head writes float32 logits into their static buffer directly."""

@@ -90,8 +90,7 @@ class DecodeGraphs:
 
         def middle(layer):
             def seg():
-                model.post_attention(layer, h, o, out=h)
-                model.pre_attention(layer + 1, h, pos, slots, caches, q_out=q, layer_out=counter)
+                model.next_layer(layer, h, o, pos, slots, caches, q_out=q, layer_out=counter)
             return seg
 
         def final():

@@ -204,11 +204,17 @@ class TreeModel:
         ``layer`` into ``layer_out`` (int32 [1]: the attention graph's layer counter) when given.
 
         Fused (Llama-like layers): 3 kernels (norm, GEMM, RoPE + K/V write); unfused: about 23."""
+        x = self._norm(h, self.weights.layers[layer].attn_norm)
+        return self._attention_input(layer, x, positions, slots, caches, q_out=q_out, layer_out=layer_out)
+
+    def _attention_input(self, layer: int, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                         caches, *, q_out: torch.Tensor | None, layer_out: torch.Tensor | None):
+        """:meth:`pre_attention` after the norm: ``x`` is the normed hidden state."""
         c, w = self.config, self.weights.layers[layer]
-        n = h.shape[0]
+        n = x.shape[0]
         kc, vc = caches[layer]
         cos, sin = self._rope(layer)
-        qkv = F.linear(self._norm(h, w.attn_norm), w.qkv, w.qkv_bias)
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
         if c.qk_norm:
             qkv = self._qk_norm(qkv, w)
         if self.fused:
@@ -244,16 +250,45 @@ class TreeModel:
             d = self._mlp(gemma_rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
             h = h + gemma_rms_norm(d, w.mlp_out_norm, c.rms_norm_eps)
             return h if out is None else out.copy_(h)
-        if self.fused and c.hidden_act == "silu":
-            h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
-            act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
-            d = F.linear(act, w.down, w.down_bias)
-            if self.tp is not None:
-                self.tp.all_reduce(d)
+        if self._fused_mlp:
+            h, d = self._fused_mlp_delta(layer, h, a)
             return torch.add(h, d, out=out) if out is not None else h.add_(d)
         h = h + a
         h = h + self._mlp(rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
         return h if out is None else out.copy_(h)
+
+    @property
+    def _fused_mlp(self) -> bool:
+        return self.fused and not self.config.gemma and self.config.hidden_act == "silu"
+
+    def _fused_mlp_delta(self, layer: int, h: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path of :meth:`post_attention` but its last residual add: ``h + a`` (in
+        ``a``'s memory) and the MLP's output of its norm."""
+        c, w = self.config, self.weights.layers[layer]
+        h, x = fused.add_rms_norm(h, a, w.mlp_norm, c.rms_norm_eps, h_out=a)
+        act = fused.swiglu(F.linear(x, w.gate_up, w.gate_up_bias))
+        d = F.linear(act, w.down, w.down_bias)
+        if self.tp is not None:
+            self.tp.all_reduce(d)
+        return h, d
+
+    def next_layer(self, layer: int, h: torch.Tensor, o: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, caches, *, q_out: torch.Tensor | None = None,
+                   layer_out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`post_attention` of ``layer`` into ``h`` (in place), then :meth:`pre_attention`
+        of ``layer + 1``; returns that layer's ``q`` (in ``q_out`` when given). Fused Llama-like
+        layers add the MLP's residual in the next layer's norm kernel: one launch a layer fewer
+        than the two calls."""
+        if not self._fused_mlp:
+            self.post_attention(layer, h, o, out=h)
+            return self.pre_attention(layer + 1, h, positions, slots, caches, q_out=q_out, layer_out=layer_out)[0]
+        w, eps = self.weights.layers[layer + 1], self.config.rms_norm_eps
+        a = F.linear(o.reshape(h.shape[0], self.q_size), self.weights.layers[layer].o, self.weights.layers[layer].o_bias)
+        if self.tp is not None:
+            self.tp.all_reduce(a)
+        mid, d = self._fused_mlp_delta(layer, h, a)
+        _, x = fused.add_rms_norm(mid, d, w.attn_norm, eps, h_out=h)
+        return self._attention_input(layer + 1, x, positions, slots, caches, q_out=q_out, layer_out=layer_out)[0]
 
     def _mlp(self, x: torch.Tensor, w) -> torch.Tensor:
         """The gated MLP of ``x [n, hidden]``: SwiGLU, or GeGLU with tanh-approximated GELU."""
@@ -292,10 +327,11 @@ class TreeModel:
         float32 logits ``[n, vocab]``.
         """
         h = self.embed(tokens)
-        for layer in range(self.config.num_layers):
-            q, _, _ = self.pre_attention(layer, h, positions, slots, caches)
-            h = self.post_attention(layer, h, attend(layer, q))
-        return self.logits(h)
+        q, _, _ = self.pre_attention(0, h, positions, slots, caches)
+        last = self.config.num_layers - 1
+        for layer in range(last):
+            q = self.next_layer(layer, h, attend(layer, q), positions, slots, caches)
+        return self.logits(self.post_attention(last, h, attend(last, q)))
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
