@@ -35,7 +35,7 @@ def _rms_norm_kernel(X, R, H_OUT, Y, W, stride_x, stride_r, stride_h, stride_y, 
     tl.store(Y + row * stride_y + offs, (w * xn).to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])  # (one compiled variant for every layer)
 def _rope_kv_kernel(QKV, COS, SIN, POS, SLOTS, Q_OUT, KC, VC, LAYER_OUT, layer,
                     stride_qkv, stride_cos, stride_sin, stride_qo_n, stride_qo_h,
                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
