@@ -282,8 +282,8 @@ class TreeModel:
         if not self._fused_mlp:
             self.post_attention(layer, h, o, out=h)
             return self.pre_attention(layer + 1, h, positions, slots, caches, q_out=q_out, layer_out=layer_out)[0]
-        w, eps = self.weights.layers[layer + 1], self.config.rms_norm_eps
-        a = F.linear(o.reshape(h.shape[0], self.q_size), self.weights.layers[layer].o, self.weights.layers[layer].o_bias)
+        here, w, eps = self.weights.layers[layer], self.weights.layers[layer + 1], self.config.rms_norm_eps
+        a = F.linear(o.reshape(h.shape[0], self.q_size), here.o, here.o_bias)
         if self.tp is not None:
             self.tp.all_reduce(a)
         mid, d = self._fused_mlp_delta(layer, h, a)
