@@ -86,7 +86,7 @@ def test_indices_launch_those_variants(recorded, monkeypatch):
         ("sample", streams is None, isinstance(counter, int), isinstance(scale, float), stats, x.shape[1])))
     monkeypatch.setattr(pc, "row_topk_candidates", lambda x, k: recorded.append(("topk", k, x.shape[1])))
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, vocab=300)
+    everything = pc.precompile(heads, page_size=16, device="cpu", pdl=True, tma=True, profile=H200, vocab=300)
     full = list(recorded)
     assert everything == len(full) == len(set(full))
     recorded.clear()
@@ -102,7 +102,7 @@ def test_the_work_queue_gives_each_variant_to_one_worker(recorded, monkeypatch, 
     them, whichever of them reads next (here: the stand-in processes take one record each in
     turn, some stopping early), and are told the launch mode."""
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    count = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, merge_last=False)
+    count = 20
     procs = []
 
     class Proc:
@@ -120,8 +120,8 @@ def test_the_work_queue_gives_each_variant_to_one_worker(recorded, monkeypatch, 
             return "", ""
 
     monkeypatch.setattr(pc.subprocess, "Popen", Proc)
-    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(range(count)))
-    pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, workers, False, None, H200)
+    pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, workers, False, None, H200,
+                                       count)
     live = list(procs)
     while live:
         for p in list(live):
@@ -163,14 +163,13 @@ def test_workers_compile_only_on_cuda(recorded, monkeypatch):
 
 
 @pytest.mark.slow
-def test_failed_worker_raises_naming_it(monkeypatch):
+def test_failed_worker_raises_naming_it():
     """A worker that cannot compile (here: no CUDA device) fails the call with its error, not a hang."""
     if torch.cuda.is_available():
         pytest.skip("the workers would compile")
-    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(range(100)))  # (this process counts them)
     with pytest.raises(RuntimeError, match=r"precompile worker \d of 2 failed"):
         pc._compile_in_workers(HeadConfig(8, 2, 16, torch.float16), 16, torch.device("cuda", 0), False, False, 2,
-                               True, None, H200)
+                               True, None, H200, 100)
 
 
 def test_workers_get_the_current_cuda_device(monkeypatch):
@@ -179,7 +178,7 @@ def test_workers_get_the_current_cuda_device(monkeypatch):
     seen = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(pc, "_compile_in_workers", lambda heads, page, device, *a: seen.append(device))
-    monkeypatch.setattr(pc, "_launch_variants", lambda *a, **kw: 0)
+    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(()))
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda", workers=2, profile=H200)
     precompile(HeadConfig(8, 2, 16, torch.float16), page_size=16, device="cuda:1", workers=2, profile=H200)
     assert seen == [torch.device("cuda", 3), torch.device("cuda", 1)]
@@ -207,10 +206,10 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
     """``merge_last=False`` (plans whose GQA group never folds) leaves out exactly the variants
     whose launch merges, and the workers are told so."""
     heads = HeadConfig(32, 8, 128, torch.bfloat16)
-    everything = pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200)
+    everything = pc.precompile(heads, page_size=16, device="cpu", pdl=True, tma=True, profile=H200)
     merging = sum(1 for c in recorded if c[0] == "attention" and c[4])
     recorded.clear()
-    assert pc._launch_variants(heads, 16, torch.device("cpu"), True, True, profile=H200, merge_last=False) \
+    assert pc.precompile(heads, page_size=16, device="cpu", pdl=True, tma=True, profile=H200, merge_last=False) \
         == everything - merging and merging > 0
     assert not any(c[0] == "attention" and c[4] for c in recorded)
     argv = []
@@ -225,9 +224,8 @@ def test_without_merging_last_launches_no_merging_variant(recorded, monkeypatch)
             return "", ""
 
     monkeypatch.setattr(pc.subprocess, "Popen", Proc)
-    monkeypatch.setattr(pc, "_variants", lambda *a, **kw: iter(range(3)))
     pc._compile_in_workers.__wrapped__(heads, 16, torch.device("cuda", 0), True, True, 2, False, None,
-                                       H200)  # (uncached)
+                                       H200, 3)  # (uncached)
     assert len(argv) == 2 and all("--no-merge-last" in a and f"--profile={H200.to_json()}" in a for a in argv)
 
 

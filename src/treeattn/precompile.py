@@ -105,11 +105,14 @@ def precompile(heads: HeadConfig, *, page_size: int, device, pdl: bool = False,
     device = torch.device(device)
     if profile is None:
         profile = profile_for(device)
+    if workers > 1 and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    variants = list(_variants(heads, page_size, device, pdl, tma, profile=profile, merge_last=merge_last, vocab=vocab))
     if workers > 1 and device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last, vocab, profile)
-    return _launch_variants(heads, page_size, device, pdl, tma, merge_last=merge_last, vocab=vocab, profile=profile)
+        _compile_in_workers(heads, page_size, device, pdl, tma, workers, merge_last, vocab, profile, len(variants))
+    for launch in variants:
+        launch()
+    return len(variants)
 
 
 def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
@@ -179,17 +182,13 @@ def _variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool
 
 
 def _launch_variants(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool, *,
-                     profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None,
-                     indices=None) -> int:
+                     profile: DeviceProfile, merge_last: bool = True, vocab: int | None = None, indices) -> int:
     """Launch the variants of :func:`_variants` numbered ``indices`` (an iterable of ints, each
-    taken as it is needed; None: all of them, in order); returns how many."""
-    variants = _variants(heads, page_size, device, pdl, tma, profile=profile, merge_last=merge_last, vocab=vocab)
-    if indices is not None:
-        listed = list(variants)
-        variants = (listed[i] for i in indices)
+    taken as it is needed); returns how many."""
+    variants = list(_variants(heads, page_size, device, pdl, tma, profile=profile, merge_last=merge_last, vocab=vocab))
     launches = 0
-    for launch in variants:
-        launch()
+    for i in indices:
+        variants[i]()
         launches += 1
     return launches
 
@@ -208,9 +207,10 @@ def _taken(fd: int):
 
 @functools.cache
 def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device, pdl: bool, tma: bool,
-                        workers: int, merge_last: bool, vocab: int | None, profile: DeviceProfile) -> None:
+                        workers: int, merge_last: bool, vocab: int | None, profile: DeviceProfile,
+                        count: int) -> None:
     """Run ``workers`` processes of :func:`main` on ``device`` (``cuda:N``), which take the
-    variants from one work queue (a pipe) until it is empty; raise RuntimeError naming the first
+    ``count`` variants from one work queue (a pipe) until it is empty; raise RuntimeError naming the first
     that failed. Variants take 0.2-3.6 s each to compile: given every ``workers``-th one, the
     16 workers of an H200 host finished 38-49 s after they started (8B heads, 444 variants); taking
     the next one whenever it is free, within a second or two of each other. Once a process for
@@ -218,8 +218,6 @@ def _compile_in_workers(heads: HeadConfig, page_size: int, device: torch.device,
     where starting the workers again made it take 8.6-11.9 s instead of 0.1 s (measured on an
     H100, 16 workers)."""
     t0 = time.perf_counter()
-    count = sum(1 for _ in _variants(heads, page_size, device, pdl, tma, profile=profile, merge_last=merge_last,
-                                     vocab=vocab))
     common = [f"--heads={heads.num_qo_heads},{heads.num_kv_heads},{heads.head_dim}",
               f"--dtype={str(heads.dtype).removeprefix('torch.')}", f"--page-size={page_size}",
               f"--device={device}"] + ["--pdl"] * pdl + ["--tma"] * tma \
