@@ -242,9 +242,7 @@ class TreeModel:
         Fused (Llama-like layers): 6 kernels (4 GEMMs, residual add + norm, SwiGLU, residual add);
         unfused: about 15."""
         c, w = self.config, self.weights.layers[layer]
-        a = F.linear(o.reshape(h.shape[0], self.q_size), w.o, w.o_bias)
-        if self.tp is not None:
-            self.tp.all_reduce(a)
+        a = self._attention_output(layer, o)
         if c.gemma:
             h = h + gemma_rms_norm(a, w.attn_out_norm, c.rms_norm_eps)
             d = self._mlp(gemma_rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
@@ -256,6 +254,13 @@ class TreeModel:
         h = h + a
         h = h + self._mlp(rms_norm(h, w.mlp_norm, c.rms_norm_eps), w)
         return h if out is None else out.copy_(h)
+
+    def _attention_output(self, layer: int, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result ``o [n, Hq, D]`` -> ``[n, hidden]`` (a TP
+        rank's partial sums all-reduced)."""
+        w = self.weights.layers[layer]
+        a = F.linear(o.reshape(o.shape[0], self.q_size), w.o, w.o_bias)
+        return a if self.tp is None else self.tp.all_reduce(a)
 
     @property
     def _fused_mlp(self) -> bool:
@@ -282,12 +287,8 @@ class TreeModel:
         if not self._fused_mlp:
             self.post_attention(layer, h, o, out=h)
             return self.pre_attention(layer + 1, h, positions, slots, caches, q_out=q_out, layer_out=layer_out)[0]
-        here, w, eps = self.weights.layers[layer], self.weights.layers[layer + 1], self.config.rms_norm_eps
-        a = F.linear(o.reshape(h.shape[0], self.q_size), here.o, here.o_bias)
-        if self.tp is not None:
-            self.tp.all_reduce(a)
-        mid, d = self._fused_mlp_delta(layer, h, a)
-        _, x = fused.add_rms_norm(mid, d, w.attn_norm, eps, h_out=h)
+        mid, d = self._fused_mlp_delta(layer, h, self._attention_output(layer, o))
+        _, x = fused.add_rms_norm(mid, d, self.weights.layers[layer + 1].attn_norm, self.config.rms_norm_eps, h_out=h)
         return self._attention_input(layer + 1, x, positions, slots, caches, q_out=q_out, layer_out=layer_out)[0]
 
     def _mlp(self, x: torch.Tensor, w) -> torch.Tensor:
