@@ -264,3 +264,28 @@ def test_layer_read_on_the_device_selects_that_layers_caches(strategy, device):
         assert rel_l2(got.cpu(), want) <= 1e-4
     with pytest.raises(ValueError, match="int32"):
         w.run(q, stacked[0], stacked[1], plan, layer=layer.long(), layer_stride=stride)
+
+
+def test_inputs_checked_once_per_kind_and_again_for_a_patched_plan():
+    """A kind of input that passed for a plan passes at once; a plan patched to read further
+    slots checks its inputs against its own sizes."""
+    import numpy as np
+
+    from treeattn.tree import tree_from_spec
+
+    tree = tree_from_spec("1,4_40,6")
+    w = TreeAttention(device="cpu")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    q = torch.randn(tree.num_queries, 4, 16)
+    k = torch.randn(tree.num_tokens, 1, 2, 16)
+    w.run(q, k, k, plan)
+    w.run(q, k, k, plan)
+    assert len(plan.__dict__["_checked_inputs"]) == 1
+    counts = np.zeros(tree.num_nodes, dtype=np.int64)
+    counts[tree.query_nodes] = 1
+    grown = tree.append(counts, tree.num_tokens + np.arange(tree.num_queries))
+    patched = w.update(plan, grown)
+    with pytest.raises(ValueError, match="page out of range"):
+        w.run(q, k, k, patched)
+    with pytest.raises(TypeError, match="dtype mismatch"):
+        w.run(q, k.half(), k.half(), plan)

@@ -274,9 +274,9 @@ def test_int64_offsets_match_int32_ones(rng, device, monkeypatch, strategy, spec
     plan = w.plan(paged, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=torch.float32, strategy=strategy)
     assert plan.merge_last == last
     launched = []  # (WIDE of every attention launch)
-    launch = ops._launch
-    monkeypatch.setattr(ops, "_launch", lambda kernel, grid, args, kwargs, *rest: (
-        launched.append(kwargs.get("WIDE")), launch(kernel, grid, args, kwargs, *rest)))
+    keep = ops._keep
+    monkeypatch.setattr(ops, "_keep", lambda kernel, grid, args, kwargs: (
+        launched.append(kwargs.get("WIDE")), keep(kernel, grid, args, kwargs))[1])
     narrow = w.run(q, kc, vc, plan)
     assert launched and not any(launched)
     launched.clear()

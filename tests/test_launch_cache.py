@@ -21,6 +21,16 @@ def _inputs(tree, hq, hkv, d, dtype, device, offset=0):
     return q.view(tree.num_queries, hq, d), k, torch.randn_like(k)
 
 
+def _kept_kernels(plan):
+    """The kept kernels of every call of ``plan`` so far (attention launches and merges)."""
+    found = []
+    for key, value in launch_cache(plan).items():
+        if isinstance(key, tuple) and key[0] != "tma":
+            launches, merge = value
+            found += [entry[0] for entry in launches] + ([merge[0]] if merge else [])
+    return found
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's CPU interpreter")
 def test_nothing_is_kept_under_the_interpreter():
     tree = tree_from_spec("1,4_40,6")
@@ -40,16 +50,16 @@ def test_direct_launches_match_tritons_path(strategy, dtype):
     plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=128, dtype=dtype, strategy=strategy)
     q, k, v = _inputs(tree, 8, 2, 128, dtype, "cuda")
     first = w.run(q, k, v, plan, return_lse=True)  # Triton's path; keeps the compiled kernels
-    kept = len(launch_cache(plan))
+    kept = len(_kept_kernels(plan))
     assert kept == len(plan.launches) + (plan.merge_q_indices.numel() > 0)
     again = w.run(q, k, v, plan, return_lse=True)  # the kept kernels
-    assert len(launch_cache(plan)) == kept
+    assert len(_kept_kernels(plan)) == kept
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     # other tensors of the same kind reuse them; a misaligned q is another specialisation
     for offset, more in ((0, 0), (1, 1)):
         q2, k2, v2 = _inputs(tree, 8, 2, 128, dtype, "cuda", offset)
         out = w.run(q2, k2, v2, plan, return_lse=True)[0]  # (without the LSE: other kernels)
-        assert len(launch_cache(plan)) == kept + more * len(plan.launches)
+        assert len(_kept_kernels(plan)) == kept * (1 + more)
         assert rel_l2(out, reference_attention(q2, k2, v2, tree)[0]) <= 1e-2
 
 
@@ -74,7 +84,8 @@ def test_a_patched_plan_keeps_its_own_kernels():
 
 
 class _FakeCompiled:
-    """A compiled kernel's ``kernel[grid]`` runner, recording its calls."""
+    """A compiled kernel's ``kernel[grid]`` runner, recording its calls (no C launcher: it is
+    launched through that runner)."""
 
     def __init__(self):
         self.calls = []
@@ -84,10 +95,68 @@ class _FakeCompiled:
 
 
 def test_kept_kernels_run_their_runner_with_addresses_and_their_constexprs():
-    from treeattn.launchers import _Kept
+    from treeattn.compiled import KeptKernel
 
     fake = _FakeCompiled()
-    kept = _Kept(fake, (3, 2, 1), ("BLOCK", 64))
-    kept.launch((0x1000, 5, 0.5))
-    kept.launch((0x2000, 6, 0.5))
+    kept = KeptKernel(fake, (3, 2, 1), ("BLOCK", 64))
+    assert not kept.direct
+    kept.launch(None, (0x1000, 5, 0.5))
+    kept.launch(7, (0x2000, 6, 0.5))  # (a stream: still the runner)
     assert fake.calls == [((3, 2, 1), (0x1000, 5, 0.5, "BLOCK", 64)), ((3, 2, 1), (0x2000, 6, 0.5, "BLOCK", 64))]
+
+
+@cuda
+@pytest.mark.parametrize("spec", ["1,8,32_300,40,9", "1,1024_2048,32", "1,8,512_32,2048,256"])
+def test_c_launches_match_the_runner_and_tritons_path(spec, monkeypatch):
+    """Where this Triton's C launcher has the known layout, kept kernels launch through it (TMA
+    plans included, their descriptors expanded once); a launch hook sends them through the
+    runner, which calls it; all three paths give the same bits."""
+    from triton import knobs
+
+    from treeattn.compiled import C_LAUNCH_FORMAT
+    from treeattn.plan.lower.addressing import tma_loads
+
+    tree = tree_from_spec(spec)
+    w = TreeAttention(device="cuda")
+    plan = w.plan(tree, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    q, k, v = _inputs(tree, 32, 8, 128, torch.bfloat16, "cuda")
+    first = w.run(q, k, v, plan, return_lse=True)  # Triton's path
+    kept = _kept_kernels(plan)
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    if getattr(driver, "_BASE_ARGS_FORMAT", None) == C_LAUNCH_FORMAT:
+        assert kept and all(kernel.direct for kernel in kept)
+    direct = w.run(q, k, v, plan, return_lse=True)
+    calls = []
+    hook = lambda metadata: calls.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        hooked = w.run(q, k, v, plan, return_lse=True)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(calls) == len(kept)
+    for a, b, c in zip(first, direct, hooked):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert rel_l2(first[0], reference_attention(q, k, v, tree)[0]) <= 1e-2
+    if any(l.tma for l in plan.launches) and torch.cuda.get_device_capability()[0] >= 9:
+        assert tma_loads(plan.heads, w.cost)
+        assert any(key[0] == "tma" for key in launch_cache(plan) if isinstance(key, tuple))
+
+
+@cuda
+def test_the_c_launch_runs_on_the_current_stream():
+    """Kept launches on a side stream queue behind that stream's work: had they gone to another
+    stream, the zero fill queued before them would land last."""
+    tree = tree_from_spec("1,8,32_300,40,9")
+    w = TreeAttention(device="cuda")
+    plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=128)
+    q, k, v = _inputs(tree, 8, 2, 128, torch.float16, "cuda")
+    want = w.run(q, k, v, plan)
+    out = torch.empty_like(want)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)
+        out.zero_()
+        w.run(q, k, v, plan, out=out)
+    stream.synchronize()
+    assert torch.equal(out, want)

@@ -5,8 +5,8 @@ import weakref
 
 import torch
 
-from treeattn.launchers import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, launch_cache,
-                          merge_partials, partial_attention)
+from treeattn.launchers import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, merge_partials,
+                                partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
 from treeattn.plan.lower.addressing import tma_loads
 from treeattn.plan.select.profiles import profile_for
@@ -250,11 +250,7 @@ class TreeAttention:
             merge_last = plan.merge_last and not self._streams
             partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
                               lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
-                              pdl=self.pdl, merge_last=merge_last)
-            if not merge_last:
-                merge_partials(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr,
-                               plan.merge_indices, out, lse, max_rows=plan.merge_rows_max, pdl=self.pdl,
-                               cache=launch_cache(plan) if q.is_cuda else None)
+                              pdl=self.pdl, merge_last=merge_last, merge=not merge_last)
         return (out, lse) if return_lse else out
 
 

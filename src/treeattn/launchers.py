@@ -5,6 +5,7 @@ sequence of launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ import triton
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from treeattn.compiled import KeptKernel, launch_stream
 from treeattn.kernels.attention import _tree_partial_attention_kernel
 from treeattn.kernels.merge import _merge_states_kernel, _merge_tile_kernel
 from treeattn.kernels.sampling import _sample_combine_kernel, _sample_partial_kernel, _topk_partial_kernel
@@ -38,10 +40,21 @@ def check_triton_device(t: torch.Tensor) -> None:
 
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            plan: Plan) -> None:
-    """Raise TypeError/ValueError naming the first problem with ``q``, the caches or the plan."""
+    """Raise TypeError/ValueError naming the first problem with ``q``, the caches or the plan.
+
+    Inputs of a kind that passed for this plan before (the same shapes, dtypes, devices and
+    strides) pass at once: reading them as a key costs a third of the checks' host time."""
+    tensor = torch.Tensor
+    if not (isinstance(q, tensor) and isinstance(k_cache, tensor) and isinstance(v_cache, tensor)):
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    key = (q.shape, q.dtype, q.device, q.stride(), k_cache.shape, k_cache.dtype, k_cache.device, k_cache.stride(),
+           v_cache.shape, v_cache.dtype, v_cache.device, v_cache.stride())
+    checked = plan.__dict__.setdefault("_checked_inputs", set())
+    if key in checked:
+        return
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
             raise TypeError(f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32")
     if q.dim() != 3:
@@ -72,19 +85,19 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    checked.add(key)
 
 
 def launch_cache(plan: Plan) -> dict:
     """The compiled kernels that :func:`partial_attention` and :func:`merge_partials` launch for
     ``plan`` (kept on the plan object: made on its first run, reused by every layer and step).
 
-    Triton binds and specialises every argument on each ``kernel[grid](...)`` call, and its
-    launcher asks the driver about every tensor it is given (``cuPointerGetAttribute``): ~25 us of
-    host time a launch on the H200's host against ~9 us for the launch itself. A call whose inputs
-    match an earlier one's in everything Triton specialises on (dtypes, 16-byte alignment of the
-    tensors, the scalars, the constexprs and launch options) runs that call's compiled kernel
-    (:class:`_Kept`), its tensors passed as addresses. Under Triton's interpreter nothing is
-    compiled or kept."""
+    A call whose inputs match an earlier one's in everything Triton specialises on (dtypes,
+    16-byte alignment of the tensors, the scalars, the constexprs and launch options) launches
+    that call's compiled kernels (:class:`~treeattn.compiled.KeptKernel`), its tensors passed as
+    addresses, instead of Triton's ``kernel[grid](...)``, which binds and specialises every
+    argument again (~25 us of host time a launch on the H200's host). Under Triton's interpreter
+    nothing is compiled or kept."""
     return plan.__dict__.setdefault("_launch_cache", {})
 
 
@@ -93,18 +106,22 @@ def _plan_addresses(plan: Plan, cache: dict) -> tuple:
     (fixed for the plan object: read once)."""
     addr = cache.get("addresses")
     if addr is None:
-        mask = (plan.tree_mask, plan.query_pos, plan.query_prefix) if plan.has_mask else (plan.kv_indices,) * 3
-        addr = cache["addresses"] = tuple(t.data_ptr() for t in (
-            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
-            plan.row_q_indices, plan.row_direct, *mask, plan.merge_indptr, plan.merge_indices))
+        addr = cache["addresses"] = tuple(t.data_ptr() for t in _plan_tensors(plan))
     return addr
+
+
+def _plan_tensors(plan: Plan) -> tuple:
+    """The plan's index tensors in :func:`partial_attention`'s argument order."""
+    mask = (plan.tree_mask, plan.query_pos, plan.query_prefix) if plan.has_mask else (plan.kv_indices,) * 3
+    return (plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
+            plan.row_q_indices, plan.row_direct, *mask, plan.merge_indptr, plan.merge_indices)
 
 
 def _wide(plan: Plan, strides: tuple, num_pages: int) -> bool:
     """Whether an element offset of a :func:`partial_attention` call may reach 2^31: a bound on
     every tensor's span from the call's ``strides`` (in that function's order), the plan's
     shapes and the caches' ``num_pages``, in a few integer operations (reading each tensor's
-    shape and strides again cost ~7 us a call, a quarter of an eager run's host time)."""
+    shape and strides again cost ~7 us a call); only a call that launches through Triton needs it."""
     sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, sp0, sp1, spl, so0, so1, sl = strides
     h = plan.heads
     hq, hkv, d = h.num_qo_heads, h.num_kv_heads, h.head_dim
@@ -120,31 +137,18 @@ def _aligned(*addresses: int) -> tuple:
     return tuple(a % 16 == 0 for a in addresses)
 
 
-class _Kept:
-    """A compiled kernel's runner for its grid with its trailing (constexpr) arguments, launched
-    without Triton's per-call binding: ``launch(args)`` with tensors given as device addresses
-    (ints, which Triton's launcher takes as they are, without asking the driver about them)."""
-
-    __slots__ = ("runner", "tail")
-
-    def __init__(self, compiled: CompiledKernel, grid: tuple, tail: tuple):
-        self.runner, self.tail = compiled[grid], tail
-
-    def launch(self, args: tuple) -> None:
-        self.runner(*args, *self.tail)
-
-
-def _launch(kernel, grid: tuple, args: tuple, kwargs: dict, cache: dict | None, key) -> None:
-    """``kernel[grid](*args, **kwargs)``, keeping the compiled kernel in ``cache`` under ``key``
-    (which must tell apart every specialisation of these arguments) as a :class:`_Kept`."""
+def _keep(kernel, grid: tuple, args: tuple, kwargs: dict) -> KeptKernel | None:
+    """``kernel[grid](*args, **kwargs)`` through Triton, and its compiled kernel bound to this
+    grid and these keyword arguments (None where Triton returned none: its interpreter)."""
     compiled = kernel[grid](*args, **kwargs)
-    if cache is None:
-        return
+    if not isinstance(compiled, CompiledKernel):
+        return None
     params = kernel.params[len(args):]
-    if isinstance(compiled, CompiledKernel) and all(p.name in kwargs or p.has_default for p in params):
-        # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
-        cache[key] = _Kept(compiled, grid + (1,) * (3 - len(grid)),
-                           tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params))
+    if not all(p.name in kwargs or p.has_default for p in params):
+        return None
+    # (a compiled kernel takes a 3-D grid and every parameter, constexprs included)
+    return KeptKernel(compiled, grid + (1,) * (3 - len(grid)),
+                      tuple(kwargs[p.name] if p.name in kwargs else p.default for p in params))
 
 
 def _pdl_kwargs(pdl: bool) -> dict:
@@ -172,6 +176,21 @@ def _tma_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride:
         rows = (avail - hkv * d) // ss + 1
         descs.append(TensorDescriptor(t, [rows, hkv * d], [ss, 1], [block_n, d]))
     return tuple(descs)
+
+
+def _descriptor_args(kept: KeptKernel, direct: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     layer_stride: int, block_n: int, cache: dict) -> tuple:
+    """The K/V tensor-descriptor arguments of a kept TMA launch: the descriptors themselves for
+    its runner, or (``direct``) as its C launcher takes them, made once for these caches (by
+    address and storage size, which with the call's strides decide the descriptors): encoding
+    one costs about as much host time as a launch."""
+    key = ("tma", id(kept), direct, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.untyped_storage().nbytes(),
+           v_cache.untyped_storage().nbytes())
+    args = cache.get(key)
+    if args is None:
+        descs = _tma_descriptors(k_cache, v_cache, layer_stride, block_n)
+        args = cache[key] = kept.descriptor_args(descs) if direct else descs
+    return args
 
 
 def _block_d(head_dim: int) -> int:
@@ -206,9 +225,11 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       o_part: torch.Tensor, lse_part: torch.Tensor, *, sm_scale: float,
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                       streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
-                      layer_stride: int = 0, pdl: bool = False, merge_last: bool = False) -> None:
+                      layer_stride: int = 0, pdl: bool = False, merge_last: bool = False,
+                      merge: bool = False) -> None:
     """Launch the partial-attention kernel for every launch group of ``plan`` (on CUDA, through
-    the plan's :func:`launch_cache`).
+    the plan's :func:`launch_cache`), and with ``merge`` the merge of its partial rows into
+    ``out`` (and ``lse_out``) after them (:func:`merge_partials` of the plan's merged queries).
 
     Writes ``o_part [R, Hq, D]`` (``plan.heads.partial_dtype``) and ``lse_part [R, Hq]`` (fp32,
     natural-log LSE) of the rows
@@ -234,98 +255,128 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     :func:`merge_partials` with ``pdl`` or an ordinary launch.
 
     With ``merge_last`` (``plan.merge_last``, no ``streams``) the launch that runs last merges
-    every query's partial rows and writes ``out``: no :func:`merge_partials` follows.
+    every query's partial rows and writes ``out``: no merge follows.
+
+    On CUDA, a call whose inputs are specialised like an earlier call's launches that call's
+    kept kernels (:func:`launch_cache`) with the tensors' addresses, through Triton's C launcher
+    where it can (:mod:`treeattn.compiled`): about 4 us of host time a launch on the H200's host.
     """
-    check_triton_device(q)
-    h = plan.heads
-    block_d = _block_d(h.head_dim)
-    mask_args = (plan.tree_mask, plan.query_pos, plan.query_prefix)
-    if not plan.has_mask:
-        mask_args = (plan.kv_indices,) * 3  # never read: HAS_MASK is off
+    cuda = q.is_cuda
+    if not cuda:
+        check_triton_device(q)
     direct = plan.num_direct > 0
     if direct and out is None:
         raise ValueError("this plan writes single-row queries to the output: pass out=")
     if merge_last and (not plan.merge_last or out is None or streams):
         raise ValueError("merge_last needs a plan whose last launch can merge (plan.merge_last), out= "
                          "and no side streams")
+    if merge and (merge_last or out is None):
+        raise ValueError("merge needs out= and no merge_last (whose last launch merges)")
+    merge = merge and plan.merge_q_indices.numel() > 0
+    side = list(streams)[: len(plan.launches) - 1] if cuda else []
+    if pdl and (side or not cuda):
+        raise ValueError("pdl needs CUDA tensors and no side streams")
     out_arg = out if out is not None else o_part  # never written without DIRECT
     lse_arg = lse_out if lse_out is not None else lse_part
     if layer is None:
         layer, layer_stride = plan.work_row_indptr, 0  # offset 0: an int32 (0) times a zero stride
-    side = list(streams)[: len(plan.launches) - 1] if q.device.type == "cuda" else []
-    sq, sk, sv, sp, so = q.stride(), k_cache.stride(), v_cache.stride(), o_part.stride(), out_arg.stride()
+    sq, sk, sv, sp, so, sl = (q.stride(), k_cache.stride(), v_cache.stride(), o_part.stride(), out_arg.stride(),
+                              lse_arg.stride())
+    kept = cache = call = None
+    if cuda:
+        # everything the launches are specialised on beyond the plan's own tensors (fixed for the
+        # plan object) and each launch's config, as read from the inputs: one key for them all
+        addr = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o_part.data_ptr(), lse_part.data_ptr(),
+                out_arg.data_ptr(), lse_arg.data_ptr(), layer.data_ptr())
+        device = torch.cuda.current_device()
+        call = (device, q.dtype, sq, sk, k_cache.shape[0], sv, sp, lse_part.stride(0), so, sl, layer_stride, sm_scale,
+                lse_out is not None, pdl, merge_last, merge, _aligned(*addr))
+        cache = launch_cache(plan)
+        kept = cache.get(call)
+        if kept is not None and not side:
+            _launch_kept(kept, addr, launch_stream(device), k_cache, v_cache, layer_stride, cache)
+            return
     strides = (sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sp[0], sp[1], lse_part.stride(0), so[0], so[1],
-               lse_arg.stride(0))
+               sl[0])
     # int64 offsets only where some tensor may span 2^31 elements (a cache past 4 GiB in 16 bits):
     # int32 ones take about half the address instructions
     wide = _wide(plan, strides, k_cache.shape[0])
-    cache = call = None
-    if q.device.type == "cuda":
-        # what this call's launches are specialised on beyond the plan's own tensors (fixed for
-        # the plan object) and each launch's config: one key part for all of them
-        cache = launch_cache(plan)
-        addr = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o_part.data_ptr(), lse_part.data_ptr(),
-                out_arg.data_ptr(), lse_arg.data_ptr(), layer.data_ptr())
-        call = (torch.cuda.current_device(), q.dtype, strides, layer_stride, sm_scale, lse_out is not None, pdl, merge_last, wide,
-                _aligned(*addr))
-        plan_addr = _plan_addresses(plan, cache)
-        qa, ka, va, pa, la, oa, loa, layer_a = addr
-    if pdl and (side or q.device.type != "cuda"):
-        raise ValueError("pdl needs CUDA tensors and no side streams")
-    pdl_args = _pdl_kwargs(pdl)
-    main = torch.cuda.current_stream(q.device) if side else None
-    for stream in side:  # fork before anything is queued on the main stream
-        stream.wait_stream(main)
 
-    last = len(plan.launches) - 1
+    h = plan.heads
     scale = sm_scale * LOG2E.value
+    plan_args = _plan_tensors(plan)
+    last = len(plan.launches) - 1
 
-    def launch_group(i: int, launch, first: bool) -> None:
+    def launch_group(i: int, launch):
+        """Launch ``launch`` (the ``i``-th to run) through Triton: ``(kept kernel, arguments
+        before the layer, after it, TMA box rows or 0)`` for :func:`_launch_kept`."""
+        first = int(i == 0)
         descs = (_tma_descriptors(k_cache, v_cache, layer_stride, launch.block_n)
-                 if launch.tma and launch.contig and h.head_dim == block_d else None)
-        # (descriptors go through Triton's own path: it specialises them on more)
-        kept = cache if descs is None else None
-        hit = kept.get((i, call)) if kept is not None else None
-        if hit is not None:
-            hit.launch((
-                qa, ka, va, None, None, pa, la, oa, loa, *plan_addr, launch.work_start,
-                launch.work_end - launch.work_start, h.num_kv_heads, scale, layer_a, layer_stride, int(first),
-                *strides))
-            return
-        args = (
-            q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
-            plan.kv_indices, plan.work_kv_start, plan.work_kv_end, plan.work_mask_start, plan.work_row_indptr,
-            plan.row_q_indices, plan.row_direct, *mask_args, plan.merge_indptr, plan.merge_indices,
-            launch.work_start, launch.work_end - launch.work_start, h.num_kv_heads, scale, layer,
-            layer_stride, int(first),
-            *strides)
+                 if launch.tma and launch.contig and h.head_dim == _block_d(h.head_dim) else None)
         units = launch.work_end - launch.work_start
-        merges = merge_last and i == last
+        before = (launch.work_start, units, h.num_kv_heads, scale)
+        after = (layer_stride, first, *strides)
         if launch.programs:
             grid = (min(launch.programs, units * h.num_kv_heads),)
         elif launch.heads_inner:
             grid = (units * h.num_kv_heads,)
         else:
             grid = (units, h.num_kv_heads)
-        kwargs = attention_constexprs(plan, launch, dtype=q.dtype, device=q.device, direct=direct, merges=merges,
-                                      write_lse=lse_out is not None, tma=descs is not None, wide=wide)
-        _launch(_tree_partial_attention_kernel, grid, args, kwargs | pdl_args, kept, (i, call))
+        kwargs = attention_constexprs(plan, launch, dtype=q.dtype, device=q.device, direct=direct,
+                                      merges=merge_last and i == last, write_lse=lse_out is not None,
+                                      tma=descs is not None, wide=wide)
+        kernel = _keep(_tree_partial_attention_kernel, grid,
+                       (q, k_cache, v_cache, *(descs or (None, None)), o_part, lse_part, out_arg, lse_arg,
+                        *plan_args, *before, layer, *after), kwargs | _pdl_kwargs(pdl))
+        if kernel is not None:
+            return kernel, _plan_addresses(plan, cache) + before, after, launch.block_n if descs else 0
+        return None
 
+    main = torch.cuda.current_stream(q.device) if side else None
+    for stream in side:  # fork before anything is queued on the main stream
+        stream.wait_stream(main)
+    made = []
     for i, launch in enumerate(reversed(plan.launches) if plan.tall_first else plan.launches):
-        if i == 0 or not side:
-            launch_group(i, launch, i == 0)
-        else:
-            with torch.cuda.stream(side[(i - 1) % len(side)]):
-                launch_group(i, launch, False)
+        with torch.cuda.stream(side[(i - 1) % len(side)]) if i and side else contextlib.nullcontext():
+            if kept is not None:
+                _launch_kept((kept[0][i:i + 1], None), addr, launch_stream(device), k_cache, v_cache, layer_stride,
+                             cache)
+            else:
+                made.append(launch_group(i, launch))
     for stream in side:  # join: the merge (and the caller) see every launch's rows
         main.wait_stream(stream)
+    merged = None
+    if merge and kept is not None:
+        _launch_kept(((), kept[1]), addr, launch_stream(device), k_cache, v_cache, layer_stride, cache)
+    elif merge:
+        merged = _merge_launch(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr, plan.merge_indices, out,
+                               lse_out, max_rows=plan.merge_rows_max, pdl=pdl)
+    if cuda and kept is None and all(made) and (merged is not None or not merge):
+        cache[call] = (tuple(made), merged)
+
+
+def _launch_kept(kept: tuple, addr: tuple, stream: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 layer_stride: int, cache: dict) -> None:
+    """Launch a call's kept launches, ``(attention launches, merge or None)`` as
+    :func:`partial_attention` keeps them, with the call's tensor addresses ``addr`` on ``stream``
+    (:func:`~treeattn.compiled.launch_stream`)."""
+    qa, ka, va, pa, la, oa, loa, layer_a = addr
+    launches, merge = kept
+    for kernel, before, after, block_n in launches:
+        descs = (None, None)
+        if block_n:
+            descs = _descriptor_args(kernel, stream is not None and kernel.direct, k_cache, v_cache, layer_stride,
+                                     block_n, cache)
+        kernel.launch(stream, (qa, ka, va, *descs, pa, la, oa, loa, *before, layer_a, *after))
+    if merge is not None:
+        kernel, indices = merge
+        kernel.launch(stream, (pa, la, oa, loa, *indices))
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
                    merge_indptr: torch.Tensor, merge_indices: torch.Tensor, out: torch.Tensor,
                    lse_out: torch.Tensor | None, *, max_rows: int = 4, block_h: int | None = None,
-                   num_warps: int | None = None, row_tile: int | None = None, pdl: bool = False,
-                   cache: dict | None = None) -> None:
+                   num_warps: int | None = None, row_tile: int | None = None, pdl: bool = False) -> None:
     """Merge the partial rows of queries ``merge_q_indices [M]`` (int32) into ``out [N, H, D]``
     (and ``lse_out [N, H]`` fp32 when given); query ``n``'s rows are
     ``merge_indices[merge_indptr[n]:merge_indptr[n + 1]]``. ``max_rows``: the most rows a merged
@@ -333,16 +384,25 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
     count merges correctly. ``block_h`` (heads per program, a power of two), ``num_warps`` and
     ``row_tile`` (0: the row loop) override :func:`merge_config`.
     With ``pdl`` (after :func:`partial_attention` with ``pdl``) it is a programmatic dependent
-    launch that waits for the partial rows on the device. ``cache``: the :func:`launch_cache` of
-    the plan these index tensors are (CUDA only)."""
-    n = merge_q_indices.numel()
-    if n == 0:  # (every query's row was final: nothing to merge or check)
-        return
-    check_triton_device(o_part)
+    launch that waits for the partial rows on the device."""
     for name, t in (("merge_q_indices", merge_q_indices), ("merge_indptr", merge_indptr),
                     ("merge_indices", merge_indices)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor (got {t.dtype}, strides {t.stride()})")
+    _merge_launch(o_part, lse_part, merge_q_indices, merge_indptr, merge_indices, out, lse_out, max_rows=max_rows,
+                  block_h=block_h, num_warps=num_warps, row_tile=row_tile, pdl=pdl)
+
+
+def _merge_launch(o_part, lse_part, merge_q_indices, merge_indptr, merge_indices, out, lse_out, *, max_rows: int,
+                  block_h: int | None = None, num_warps: int | None = None, row_tile: int | None = None,
+                  pdl: bool = False) -> tuple | None:
+    """:func:`merge_partials` through Triton, its index tensors taken as checked: ``(kept
+    kernel, its arguments after the partial rows and outputs)`` for :func:`_launch_kept` (None
+    under the interpreter or with nothing to merge)."""
+    n = merge_q_indices.numel()
+    if n == 0:  # (every query's row was final: nothing to merge)
+        return None
+    check_triton_device(o_part)
     heads, d = out.shape[1:]
     block_d = triton.next_power_of_2(d)
     cfg = merge_config(n, heads, d, max_rows)
@@ -351,26 +411,17 @@ def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices
         if row_tile and (block_h or num_warps):
             row_tile = merge_row_tile(max_rows, block_h or cfg[0], block_d, num_warps or cfg[1])
     block_h, num_warps = block_h or cfg[0], num_warps or cfg[1]
-    grid = (n, triton.cdiv(heads, block_h))
     lse_arg = lse_out if lse_out is not None else lse_part
-    args = (o_part, lse_part, out, lse_arg, merge_q_indices, merge_indptr, merge_indices, heads,
-            o_part.stride(0), o_part.stride(1), lse_part.stride(0),
-            out.stride(0), out.stride(1), lse_arg.stride(0))
-    key = None
-    if cache is not None:
-        addr = tuple(t.data_ptr() for t in args[:7])
-        key = ("merge", torch.cuda.current_device(), out.dtype, o_part.dtype, args[7:], block_h, row_tile, num_warps, pdl,
-               lse_out is not None, _aligned(*addr))
-        hit = cache.get(key)
-        if hit is not None:
-            hit.launch(addr + args[7:])
-            return
+    indices = (merge_q_indices, merge_indptr, merge_indices)
+    scalars = (heads, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(1),
+               lse_arg.stride(0))
     kwargs = dict(HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, WRITE_LSE=lse_out is not None,
                   num_warps=num_warps, **_pdl_kwargs(pdl))
+    kernel = _merge_states_kernel
     if row_tile:
-        _launch(_merge_tile_kernel, grid, args, {**kwargs, "BLOCK_R": row_tile}, cache, key)
-    else:
-        _launch(_merge_states_kernel, grid, args, kwargs, cache, key)
+        kernel, kwargs = _merge_tile_kernel, {**kwargs, "BLOCK_R": row_tile}
+    kept = _keep(kernel, (n, triton.cdiv(heads, block_h)), (o_part, lse_part, out, lse_arg, *indices, *scalars), kwargs)
+    return None if kept is None else (kept, tuple(t.data_ptr() for t in indices) + scalars)
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:

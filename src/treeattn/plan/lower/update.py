@@ -52,7 +52,9 @@ def _replace(obj, **changes):
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
     new.__dict__.update(changes)
-    new.__dict__.pop("_launch_cache", None)  # (kept kernels belong to the plan's own tensors)
+    # (kept kernels belong to the plan's own tensors; inputs are checked against its own sizes)
+    new.__dict__.pop("_launch_cache", None)
+    new.__dict__.pop("_checked_inputs", None)
     return new
 
 
