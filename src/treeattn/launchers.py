@@ -89,8 +89,8 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def launch_cache(plan: Plan) -> dict:
-    """The compiled kernels that :func:`partial_attention` and :func:`merge_partials` launch for
-    ``plan`` (kept on the plan object: made on its first run, reused by every layer and step).
+    """The compiled kernels that :func:`partial_attention` launches for ``plan``, its merge
+    included (kept on the plan object: made on its first run, reused by every layer and step).
 
     A call whose inputs match an earlier one's in everything Triton specialises on (dtypes,
     16-byte alignment of the tensors, the scalars, the constexprs and launch options) launches
