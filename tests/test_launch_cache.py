@@ -105,6 +105,25 @@ def test_kept_kernels_run_their_runner_with_addresses_and_their_constexprs():
     assert fake.calls == [((3, 2, 1), (0x1000, 5, 0.5, "BLOCK", 64)), ((3, 2, 1), (0x2000, 6, 0.5, "BLOCK", 64))]
 
 
+def test_kept_kernels_call_the_c_launcher_in_its_argument_order():
+    """Grid, stream, then the options of :data:`~treeattn.compiled.C_LAUNCH_FORMAT` (function,
+    cooperative, PDL, the two scratch buffers, kernel metadata, launch metadata, the two hooks),
+    then the kernel's arguments and constexprs; no stream (a launch hook set): the runner."""
+    from treeattn.compiled import C_LAUNCH_FORMAT, KeptKernel
+
+    fake = _FakeCompiled()
+    kept = KeptKernel(fake, (3, 2, 1), ("BLOCK", 64))
+    calls = []
+    kept.c_launch = lambda *a: calls.append(a)
+    kept.options = ("function", False, True, None, None, (4, 1, 0), None, None, None)
+    assert len(kept.grid) + 1 + len(kept.options) == len(C_LAUNCH_FORMAT)
+    kept.launch(0xBEEF, (0x1000, 5, 0.5))
+    kept.launch(None, (0x2000, 6, 0.5))
+    assert calls == [(3, 2, 1, 0xBEEF, "function", False, True, None, None, (4, 1, 0), None, None, None,
+                      0x1000, 5, 0.5, "BLOCK", 64)]
+    assert fake.calls == [((3, 2, 1), (0x2000, 6, 0.5, "BLOCK", 64))]
+
+
 @cuda
 @pytest.mark.parametrize("spec", ["1,8,32_300,40,9", "1,1024_2048,32", "1,8,512_32,2048,256"])
 def test_c_launches_match_the_runner_and_tritons_path(spec, monkeypatch):
@@ -160,3 +179,71 @@ def test_the_c_launch_runs_on_the_current_stream():
         w.run(q, k, v, plan, out=out)
     stream.synchronize()
     assert torch.equal(out, want)
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that the launchers take for a CUDA one (``is_cuda``)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+class _RecordedKernel:
+    """Stands in for a kept kernel: Triton's arguments of the call that kept it, then every
+    launch's arguments."""
+
+    direct = False
+
+    def __init__(self, args):
+        self.args, self.launched = args, []
+
+    def launch(self, stream, args):
+        self.launched.append(args)
+
+
+@pytest.mark.parametrize("with_lse_and_layer", [False, True])
+def test_kept_launches_take_the_addresses_of_tritons_arguments(monkeypatch, with_lse_and_layer):
+    """The launch path that only runs on CUDA, assembled on the CPU: a call's kept attention
+    launches and merge take, position by position, the device addresses of the tensors that
+    Triton's path was given for them, and the same scalars."""
+    import treeattn.launchers as ops
+
+    kept = []
+    monkeypatch.setattr(ops, "_keep", lambda kernel, grid, args, kwargs: kept.append(_RecordedKernel(args)) or kept[-1])
+    monkeypatch.setattr(ops, "check_triton_device", lambda t: None)
+    monkeypatch.setattr(ops, "launch_stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tree = tree_from_spec("1,4,8_300,40,9")
+    w = TreeAttention(device="cpu", backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, strategy="node")
+    assert len(plan.launches) >= 2 and plan.merge_q_indices.numel()
+    q, k, v = _inputs(tree, 4, 2, 16, torch.float32, "cpu")
+    q = q.as_subclass(_CudaLooking)
+    o_part, lse_part = w.partial_buffers(plan)
+    out = torch.empty(q.shape)
+    extra = {}
+    if with_lse_and_layer:
+        extra = dict(lse_out=torch.empty(q.shape[:2]), layer=torch.zeros(1, dtype=torch.int32), layer_stride=0)
+    for _ in range(2):  # Triton's path (keeping the kernels), then the kept launches
+        ops.partial_attention(q, k, v, plan, o_part, lse_part, sm_scale=0.25, out=out, merge=True, **extra)
+    assert len(kept) == len(plan.launches) + 1  # (the merge last)
+    for kernel in kept:
+        want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in kernel.args)
+        assert kernel.launched == [want]
+
+
+def test_a_launch_hook_sends_kept_kernels_through_the_runner():
+    from triton import knobs
+
+    from treeattn.compiled import _hook_set, launch_stream
+
+    assert not _hook_set(None) and _hook_set(print)
+    hook = lambda metadata: None  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert _hook_set(knobs.runtime.launch_enter_hook)
+        assert launch_stream(0) is None  # (no stream: the runner, which calls the hook)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not _hook_set(knobs.runtime.launch_enter_hook)
