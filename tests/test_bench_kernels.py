@@ -96,6 +96,15 @@ def test_summary_reports_families_small_trees_and_the_targets():
     assert list(s["targets_met"].values()) == [False, False, True]
 
 
+def test_summary_reports_the_small_trees_median_layer_time_where_measured():
+    rows = [{**_row(t, 32, 8, roof, {"auto": 20.0, "sequence": 25.0}), "auto_layer_us": layer}
+            for t, roof, layer in (("a", 5.0, 9.0), ("b", 8.0, 11.0), ("c", 40.0, 50.0))]
+    s = kernels.summarize(rows)["32/8"]
+    assert s["small_tree_auto_median_us"] == 20.0
+    assert s["small_tree_auto_layer_median_us"] == 10.0  # rooflines under 15 us only
+    assert "small_tree_auto_layer_median_us" not in kernels.summarize([_row("a", 32, 8, 5.0, {"auto": 9.0})])["32/8"]
+
+
 def test_workloads_suite_times_every_workload_tree_with_its_family(tmp_path, monkeypatch):
     from treeattn.tree import WORKLOAD_FAMILIES, tree_family, workload_names
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from treeattn import STRATEGIES, TreeAttention
-from treeattn.bench.timing import copy_bandwidth, host_us, provenance, roofline_us, time_run
+from treeattn.bench.timing import copy_bandwidth, host_us, layer_us, provenance, roofline_us, time_run
 from treeattn.cli.args import add_log_level, heads_list_arg, prepare_output, strategies_arg
 from treeattn.tree import find_shared, suite_trees, tree_by_name, tree_family, workload_names
 
@@ -83,6 +83,8 @@ def bench_case(spec: str, hq: int, hkv: int, strategies, bandwidth: float, ancho
             row["auto_choice"] = plan.strategy
             # host time of an eager run(), the GPU asleep for ~30 ms (longer than the calls take)
             row["auto_host_us"] = host_us(lambda: w.run(q, k, v, plan, out=out), 50, sleep_cycles=50_000_000)
+            # what a layer of a decode graph pays for it (no graph launch of its own, L2 swept before)
+            row["auto_layer_us"] = layer_us(lambda: w.run(q, k, v, plan, out=out))
         if s == "sequence":
             io = plan.io
             row["sequence_own_roofline_us"] = (io.kv + io.queries + io.output) / bandwidth * 1e6
@@ -141,6 +143,10 @@ def summarize(rows) -> dict:
         small = [r["graph_us"]["auto"] for r in sel if r["roofline_us"] < SMALL_ROOFLINE_US and "auto" in r["graph_us"]]
         if small:
             summary.update(small_trees=len(small), small_tree_auto_median_us=statistics.median(small))
+            layers = [r["auto_layer_us"] for r in sel
+                      if r["roofline_us"] < SMALL_ROOFLINE_US and "auto_layer_us" in r]
+            if layers:
+                summary["small_tree_auto_layer_median_us"] = statistics.median(layers)
         if ratios and small:
             share = summary["auto_share_within_5pct"]
             summary["targets_met"] = {
@@ -208,7 +214,8 @@ def run(args) -> int:
     compile_s = _precompile(mode, heads, args.compile_workers)
     head = {**provenance(), "copy_bandwidth_TBps": bandwidth / 1e12, "dtype": "float16", "head_dim": HEAD_DIM,
             "streams": mode.num_streams, "pdl": mode.pdl, "tma": not args.no_tma,
-            "timing": "triton.testing.do_bench median, L2 flushed; graph_us = CUDA-graph replay of run()",
+            "timing": "triton.testing.do_bench median, L2 flushed; graph_us = CUDA-graph replay of run(); "
+                      "auto_layer_us = what a run adds to a graph of 8, each after an L2 sweep",
             "precompile_s": compile_s}
     rows = []
     for spec, hq, hkv in track(cases, description="bench kernels"):

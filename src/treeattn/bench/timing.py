@@ -94,6 +94,29 @@ def graph_us(fn, *, warmup: int = 10, rep: int = 40) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median", warmup=warmup, rep=rep) * 1e3
 
 
+def layer_us(fn, *, calls: int = 8, sweep_bytes: int = 128 << 20) -> float:
+    """Microseconds a call of ``fn`` adds to a CUDA graph where it runs ``calls`` times, each time
+    after a kernel that writes ``sweep_bytes`` (twice an H200's L2): attention as a decode graph
+    runs it, once a layer, after kernels that streamed the layer's weights through L2. The graph
+    of sweeps and calls less the graph of the sweeps alone (``do_bench`` medians), over ``calls``;
+    a lone call's graph replay adds the graph's own launch, which a decode graph pays once a step."""
+    import triton
+
+    buf = torch.empty(sweep_bytes, dtype=torch.uint8, device="cuda")
+
+    def sweeps(with_calls: bool):
+        for _ in range(calls):
+            buf.zero_()
+            if with_calls:
+                fn()
+
+    fn()
+    both, alone = capture_graph(lambda: sweeps(True)), capture_graph(lambda: sweeps(False))
+    t_both = triton.testing.do_bench(both.replay, return_mode="median")
+    t_alone = triton.testing.do_bench(alone.replay, return_mode="median")
+    return (t_both - t_alone) * 1e3 / calls
+
+
 def capture(wrapper, plan, q, k_cache, v_cache, out) -> torch.cuda.CUDAGraph:
     """A CUDA graph of one ``run`` into ``out``."""
     return capture_graph(lambda: wrapper.run(q, k_cache, v_cache, plan, out=out))
