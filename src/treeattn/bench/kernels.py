@@ -140,11 +140,11 @@ def summarize(rows) -> dict:
             summary.update(auto_host_us_median=statistics.median(hosts), auto_host_us_max=max(hosts),
                            eager_cases_over_50us=len(long),
                            eager_within_1_2x_of_graph=sum(r["us"]["auto"] <= 1.2 * r["graph_us"]["auto"] for r in long))
-        small = [r["graph_us"]["auto"] for r in sel if r["roofline_us"] < SMALL_ROOFLINE_US and "auto" in r["graph_us"]]
+        small_rows = [r for r in sel if r["roofline_us"] < SMALL_ROOFLINE_US and "auto" in r["graph_us"]]
+        small = [r["graph_us"]["auto"] for r in small_rows]
         if small:
             summary.update(small_trees=len(small), small_tree_auto_median_us=statistics.median(small))
-            layers = [r["auto_layer_us"] for r in sel
-                      if r["roofline_us"] < SMALL_ROOFLINE_US and "auto_layer_us" in r]
+            layers = [r["auto_layer_us"] for r in small_rows if "auto_layer_us" in r]
             if layers:
                 summary["small_tree_auto_layer_median_us"] = statistics.median(layers)
         if ratios and small:
