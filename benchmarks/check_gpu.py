@@ -1,8 +1,9 @@
 """GPU correctness check: every strategy with the Triton backend on the full kernel suite.
 
 For each suite tree (fp16, head_dim 128, heads 32/32, 32/8, 64/8, forests included) it runs every
-strategy, compares with an fp32 dense reference (relative L2 <= 1e-2, no NaN), checks that a CUDA
-graph replay of ``run()`` gives identical output, and reports each strategy's latency
+strategy, compares with an fp32 dense reference (relative L2 <= 1e-2, no NaN), checks that a
+repeated ``run()`` over the same buffers (its packed launches) and a CUDA graph replay of
+``run()`` give identical output, and reports each strategy's latency
 (``triton.testing.do_bench``, median, L2 flushed). Writes JSON with device and versions.
 
     python benchmarks/check_gpu.py --out benchmarks/results/check_gpu_h200.json
@@ -77,6 +78,12 @@ def main(argv=None) -> int:
                 w.run(q, kc, vc, plan, out=out)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 ok = bool(torch.isfinite(out).all()) and err <= 1e-2
+                # the same call again, into the poisoned buffer: the launches packed on the first
+                first = out.clone()
+                out.fill_(float("nan"))
+                w.run(q, kc, vc, plan, out=out)
+                repeat_same = bool(torch.equal(out, first)) and len(w._views[plan][3]) > 0
+                ok = ok and repeat_same
                 # CUDA graph: capture run() and replay into a poisoned buffer
                 g_out = torch.full_like(q, float("nan"))
                 graph = capture(w, plan, q, kc, vc, g_out)
@@ -90,7 +97,8 @@ def main(argv=None) -> int:
                 row["work"][s] = plan.num_work
                 row.setdefault("merge_last", {})[s] = plan.merge_last
                 if not ok:
-                    failures.append(f"{spec} {hq}/{hkv} {name}: err={err:.2e} graph_same={graph_same}")
+                    failures.append(f"{spec} {hq}/{hkv} {name}: err={err:.2e} repeat_same={repeat_same} "
+                                    f"graph_same={graph_same}")
                 if not args.no_bench:
                     row["us"][s] = triton.testing.do_bench(
                         lambda: w.run(q, kc, vc, plan, out=out), return_mode="median") * 1e3

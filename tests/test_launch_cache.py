@@ -83,6 +83,31 @@ def test_a_patched_plan_keeps_its_own_kernels():
         assert rel_l2(out, reference_attention(q, k, v, grown)[0]) <= 1e-2
 
 
+@cuda
+def test_repeated_calls_launch_packed_arguments():
+    """A repeat of a call (same buffers) takes its packed launches and writes what the checked
+    path wrote, reading the buffers' current contents; other buffers and bad inputs take the
+    checked path."""
+    tree = tree_from_spec("1,8,32_300,40,9")
+    w = TreeAttention(device="cuda")
+    plan = w.plan(tree, num_qo_heads=8, num_kv_heads=2, head_dim=128, dtype=torch.float16, strategy="node")
+    q, k, v = _inputs(tree, 8, 2, 128, torch.float16, "cuda")
+    out = torch.empty_like(q)
+    w.run(q, k, v, plan, out=out)
+    first = out.clone()
+    assert len(w._views[plan][3]) == 1
+    out.fill_(float("nan"))
+    w.run(q, k, v, plan, out=out)
+    assert torch.equal(out, first) and len(w._views[plan][3]) == 1
+    q.mul_(0.5)
+    w.run(q, k, v, plan, out=out)
+    other = torch.empty_like(out)
+    w.run(q, k, v, plan, out=other)  # (another output buffer: the checked path, then its own record)
+    assert torch.equal(out, other) and not torch.equal(out, first) and len(w._views[plan][3]) == 2
+    with pytest.raises(ValueError, match="queries"):
+        w.run(q[:-1], k, v, plan, out=out[:-1])
+
+
 class _FakeCompiled:
     """A compiled kernel's ``kernel[grid]`` runner, recording its calls (no C launcher: it is
     launched through that runner)."""
@@ -231,6 +256,51 @@ def test_kept_launches_take_the_addresses_of_tritons_arguments(monkeypatch, with
     for kernel in kept:
         want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in kernel.args)
         assert kernel.launched == [want]
+
+
+class _CLaunchedKernel(_RecordedKernel):
+    """A recorded kernel with a C launcher: grid, options and constexprs of its own, and every
+    C launch's arguments."""
+
+    direct = True
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.grid, self.options, self.tail, self.c_launched = (len(args), 1, 1), ("function", True), ("BLOCK",), []
+        self.c_launch = lambda *a: self.c_launched.append(a)
+
+
+def test_packed_launches_pass_what_kept_launches_pass(monkeypatch):
+    """A repeat of a call launches its packed arguments (:func:`~treeattn.launchers.pack_launches`):
+    each C launch gets the grid, the stream, the options, the kept launch's arguments (the
+    tensors' addresses) and the constexprs, in the kept launches' order, the merge last."""
+    import treeattn.launchers as ops
+
+    kept = []
+    monkeypatch.setattr(ops, "_keep", lambda kernel, grid, args, kwargs: kept.append(_CLaunchedKernel(args)) or kept[-1])
+    monkeypatch.setattr(ops, "check_triton_device", lambda t: None)
+    monkeypatch.setattr(ops, "launch_stream", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tree = tree_from_spec("1,4,8_300,40,9")
+    w = TreeAttention(device="cpu", backend="triton")
+    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, strategy="node")
+    q, k, v = _inputs(tree, 4, 2, 16, torch.float32, "cpu")
+    q = q.as_subclass(_CudaLooking)
+    o_part, lse_part = w.partial_buffers(plan)
+    out = torch.empty(q.shape)
+    args = (q, k, v, plan, o_part, lse_part)
+    assert ops.partial_attention(*args, sm_scale=0.25, out=out, merge=True)[0] is not None  # (keeps)
+    kept_call = ops.partial_attention(*args, sm_scale=0.25, out=out, merge=True)  # kept launches
+    packed = ops.pack_launches(*kept_call, k, v, 0, ops.launch_cache(plan))
+    assert len(packed) == len(kept) == len(plan.launches) + 1
+    ops.launch_packed(packed, 0xBEEF)
+    ops.launch_packed(packed, 0xCAFE)
+    for kernel in kept:
+        assert len(kernel.launched) == 1
+        want = (*kernel.grid, *kernel.options, *kernel.launched[0], *kernel.tail)
+        assert kernel.c_launched == [want[:3] + (s,) + want[3:] for s in (0xBEEF, 0xCAFE)]
+    kept[-1].direct = False  # (a kernel without a C launcher: nothing is packed)
+    assert ops.pack_launches(*kept_call, k, v, 0, ops.launch_cache(plan)) is None
 
 
 def test_a_launch_hook_sends_kept_kernels_through_the_runner():

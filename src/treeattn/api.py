@@ -5,8 +5,9 @@ import weakref
 
 import torch
 
-from treeattn.launchers import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, merge_partials,
-                                partial_attention)
+from treeattn.compiled import launch_stream
+from treeattn.launchers import (SUPPORTED_DTYPES, check_attention_inputs, default_scale, launch_cache, launch_packed,
+                                merge_partials, pack_launches, partial_attention)
 from treeattn.plan import STRATEGIES, CostModel, HeadConfig, Plan, make_plan
 from treeattn.plan.lower.addressing import tma_loads
 from treeattn.plan.select.profiles import profile_for
@@ -90,7 +91,8 @@ class TreeAttention:
         self.backend = _resolve_backend(backend, self.device)
         self._workspace = workspace
         self._owns_workspace = workspace is None
-        self._views = weakref.WeakKeyDictionary()  # plan -> (workspace, o_part, lse_part)
+        # plan -> (workspace, o_part, lse_part, {call signature: packed launches})
+        self._views = weakref.WeakKeyDictionary()
         hopper = (self.backend == "triton" and self.device.type == "cuda"
                   and torch.cuda.get_device_capability(self.device)[0] >= 9)
         if streams is None:
@@ -178,7 +180,7 @@ class TreeAttention:
         words = -(-rows * hq * d * dtype.itemsize // 4)  # fp32 words the outputs take
         o_part = self._workspace[:words].view(dtype)[: rows * hq * d].view(rows, hq, d)
         lse_part = self._workspace[words: words + rows * hq].view(rows, hq)
-        self._views[plan] = (self._workspace, o_part, lse_part)
+        self._views[plan] = (self._workspace, o_part, lse_part, {})
         return o_part, lse_part
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Plan, *,
@@ -206,7 +208,32 @@ class TreeAttention:
         Returns
         -------
         out, or ``(out, lse)`` with natural-log fp32 ``lse`` when ``return_lse``.
+
+        Notes
+        -----
+        With ``out`` given (and ``lse`` with ``return_lse``), a call that repeats an earlier call
+        of this plan exactly (the same tensors' addresses, shapes, strides and dtypes, and the
+        same scalars) skips the checks and launches that call's kernels with their arguments
+        packed (:func:`~treeattn.launchers.pack_launches`): a plan's runs over the same buffers,
+        layer after layer (``layer=``) or step after step, pay little more host time than the
+        CUDA driver's launches.
         """
+        # the outputs are the caller's: a repeat of this call may take its packed launches
+        packable = out is not None and (lse is not None or not return_lse)
+        made = self._views.get(plan) if packable and isinstance(plan, Plan) else None
+        # (records only exist on CUDA, where a call was launched through Triton's C launcher)
+        if made is not None and made[3] and made[0] is self._workspace and not (
+                self._streams and torch.cuda.is_current_stream_capturing()):
+            try:
+                sig = _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale, return_lse)
+            except (AttributeError, TypeError):  # (not tensors: the checks below name the problem)
+                sig = None
+            packed = made[3].get(sig)
+            if packed is not None:
+                stream = launch_stream(sig[0])
+                if stream is not None:
+                    launch_packed(packed, stream)
+                    return (out, lse) if return_lse else out
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a Plan from TreeAttention.plan, got {type(plan).__name__}")
         check_attention_inputs(q, k_cache, v_cache, plan)
@@ -250,10 +277,34 @@ class TreeAttention:
             # merge launch: under PDL it adds 1-2.5 us a layer, less than the launches' last
             # arrivals took to merge the rows themselves (atomic counts, measured on an H200)
             merge_last = plan.merge_last and not self._streams
-            partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                              lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
-                              pdl=self.pdl, merge_last=merge_last, merge=not merge_last)
+            kept = partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
+                                     lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
+                                     pdl=self.pdl, merge_last=merge_last, merge=not merge_last)
+            if packable and kept is not None and kept[0] is not None and not streams:
+                records = self._views[plan][3]
+                if len(records) < _MAX_PACKED_CALLS:
+                    packed = pack_launches(*kept, k_cache, v_cache, layer_stride, launch_cache(plan))
+                    if packed is not None:
+                        sig = _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale, return_lse)
+                        records[sig] = packed
         return (out, lse) if return_lse else out
+
+
+#: calls a plan keeps packed (:meth:`TreeAttention.run`): one a layer where each layer's caches
+#: are their own tensors; calls beyond it take the checked path
+_MAX_PACKED_CALLS = 256
+
+
+def _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale, return_lse) -> tuple:
+    """What a :meth:`TreeAttention.run` call's checks and launches depend on beyond its plan and
+    wrapper, on CUDA: the current device first, then the tensors' addresses (unique across
+    devices under CUDA's unified addressing), shapes, strides and dtypes, and the scalars."""
+    return (torch._C._cuda_getDevice(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), q.device, q.shape, q.stride(),
+            k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), out.shape, out.stride(), q.dtype,
+            k_cache.dtype, v_cache.dtype, out.dtype,
+            None if lse is None else (lse.data_ptr(), lse.shape, lse.stride(), lse.dtype),
+            None if layer is None else (layer.data_ptr(), layer.shape, layer.dtype), layer_stride, sm_scale,
+            return_lse)
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parents, lengths, *,

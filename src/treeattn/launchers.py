@@ -24,7 +24,7 @@ from treeattn.plan.lower.merge_config import merge_config, merge_row_tile
 from treeattn.plan.format import Plan
 
 __all__ = ["SUPPORTED_DTYPES", "attention_constexprs", "check_attention_inputs", "partial_attention",
-           "merge_partials", "launch_cache", "check_triton_device", "gumbel_argmax", "row_topk_candidates",
+           "pack_launches", "launch_packed", "merge_partials", "launch_cache", "check_triton_device", "gumbel_argmax", "row_topk_candidates",
            "TOPK_CANDIDATES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -226,7 +226,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                       streams: Sequence[torch.cuda.Stream] = (), layer: torch.Tensor | None = None,
                       layer_stride: int = 0, pdl: bool = False, merge_last: bool = False,
-                      merge: bool = False) -> None:
+                      merge: bool = False) -> tuple | None:
     """Launch the partial-attention kernel for every launch group of ``plan`` (on CUDA, through
     the plan's :func:`launch_cache`), and with ``merge`` the merge of its partial rows into
     ``out`` (and ``lse_out``) after them (:func:`merge_partials` of the plan's merged queries).
@@ -260,6 +260,9 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     On CUDA, a call whose inputs are specialised like an earlier call's launches that call's
     kept kernels (:func:`launch_cache`) with the tensors' addresses, through Triton's C launcher
     where it can (:mod:`treeattn.compiled`): about 4 us of host time a launch on the H200's host.
+
+    Returns ``(kept, addresses)`` on CUDA, what :func:`pack_launches` packs for a repeat of this
+    exact call (``kept`` None where Triton kept no kernel), else None.
     """
     cuda = q.is_cuda
     if not cuda:
@@ -295,7 +298,7 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         kept = cache.get(call)
         if kept is not None and not side:
             _launch_kept(kept, addr, launch_stream(device), k_cache, v_cache, layer_stride, cache)
-            return
+            return kept, addr
     strides = (sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], sp[0], sp[1], lse_part.stride(0), so[0], so[1],
                sl[0])
     # int64 offsets only where some tensor may span 2^31 elements (a cache past 4 GiB in 16 bits):
@@ -352,7 +355,8 @@ def partial_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         merged = _merge_launch(o_part, lse_part, plan.merge_q_indices, plan.merge_indptr, plan.merge_indices, out,
                                lse_out, max_rows=plan.merge_rows_max, pdl=pdl)
     if cuda and kept is None and all(made) and (merged is not None or not merge):
-        cache[call] = (tuple(made), merged)
+        kept = cache[call] = (tuple(made), merged)
+    return (kept, addr) if cuda else None
 
 
 def _launch_kept(kept: tuple, addr: tuple, stream: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -371,6 +375,35 @@ def _launch_kept(kept: tuple, addr: tuple, stream: int | None, k_cache: torch.Te
     if merge is not None:
         kernel, indices = merge
         kernel.launch(stream, (pa, la, oa, loa, *indices))
+
+
+def pack_launches(kept: tuple, addr: tuple, k_cache: torch.Tensor, v_cache: torch.Tensor, layer_stride: int,
+                  cache: dict) -> tuple | None:
+    """A call's kept launches (:func:`partial_attention`'s return) with every argument but the
+    stream packed: ``((C launch, grid x, y, z, arguments after the stream), ...)`` for
+    :func:`launch_packed`, so that repeating that exact call (same addresses, layouts and
+    scalars) builds no argument tuple. None where a kernel takes Triton's runner (no C
+    launcher)."""
+    launches, merge = kept
+    qa, ka, va, pa, la, oa, loa, layer_a = addr
+    packed = []
+    for kernel, before, after, block_n in launches:
+        if not kernel.direct:
+            return None
+        descs = _descriptor_args(kernel, True, k_cache, v_cache, layer_stride, block_n, cache) if block_n else (None, None)
+        packed.append((kernel, (qa, ka, va, *descs, pa, la, oa, loa, *before, layer_a, *after)))
+    if merge is not None:
+        kernel, indices = merge
+        if not kernel.direct:
+            return None
+        packed.append((kernel, (pa, la, oa, loa, *indices)))
+    return tuple((k.c_launch, *k.grid, (*k.options, *args, *k.tail)) for k, args in packed)
+
+
+def launch_packed(packed: tuple, stream: int) -> None:
+    """Launch :func:`pack_launches`'s launches on ``stream`` (:func:`~treeattn.compiled.launch_stream`)."""
+    for launch, x, y, z, args in packed:
+        launch(x, y, z, stream, *args)
 
 
 def merge_partials(o_part: torch.Tensor, lse_part: torch.Tensor, merge_q_indices: torch.Tensor,
