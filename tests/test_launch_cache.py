@@ -277,7 +277,8 @@ def test_packed_launches_pass_what_kept_launches_pass(monkeypatch):
     import treeattn.launchers as ops
 
     kept = []
-    monkeypatch.setattr(ops, "_keep", lambda kernel, grid, args, kwargs: kept.append(_CLaunchedKernel(args)) or kept[-1])
+    monkeypatch.setattr(ops, "_keep",
+                        lambda kernel, grid, args, kwargs: kept.append(_CLaunchedKernel(args)) or kept[-1])
     monkeypatch.setattr(ops, "check_triton_device", lambda t: None)
     monkeypatch.setattr(ops, "launch_stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -277,13 +277,13 @@ class TreeAttention:
             # merge launch: under PDL it adds 1-2.5 us a layer, less than the launches' last
             # arrivals took to merge the rows themselves (atomic counts, measured on an H200)
             merge_last = plan.merge_last and not self._streams
-            kept = partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
-                                     lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
-                                     pdl=self.pdl, merge_last=merge_last, merge=not merge_last)
-            if packable and kept is not None and kept[0] is not None and not streams:
+            launched = partial_attention(q, k_cache, v_cache, plan, o_part, lse_part, sm_scale=scale, out=out,
+                                         lse_out=lse, streams=streams, layer=layer, layer_stride=layer_stride,
+                                         pdl=self.pdl, merge_last=merge_last, merge=not merge_last)
+            if packable and launched is not None and launched[0] is not None and not streams:
                 records = self._views[plan][3]
                 if len(records) < _MAX_PACKED_CALLS:
-                    packed = pack_launches(*kept, k_cache, v_cache, layer_stride, launch_cache(plan))
+                    packed = pack_launches(*launched, k_cache, v_cache, layer_stride, launch_cache(plan))
                     if packed is not None:
                         sig = _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale, return_lse)
                         records[sig] = packed
@@ -299,9 +299,9 @@ def _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale
     """What a :meth:`TreeAttention.run` call's checks and launches depend on beyond its plan and
     wrapper, on CUDA: the current device first, then the tensors' addresses (unique across
     devices under CUDA's unified addressing), shapes, strides and dtypes, and the scalars."""
-    return (torch._C._cuda_getDevice(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), q.device, q.shape, q.stride(),
-            k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), out.shape, out.stride(), q.dtype,
-            k_cache.dtype, v_cache.dtype, out.dtype,
+    return (torch._C._cuda_getDevice(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            q.device, q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+            out.shape, out.stride(), q.dtype, k_cache.dtype, v_cache.dtype, out.dtype,
             None if lse is None else (lse.data_ptr(), lse.shape, lse.stride(), lse.dtype),
             None if layer is None else (layer.data_ptr(), layer.shape, layer.dtype), layer_stride, sm_scale,
             return_lse)

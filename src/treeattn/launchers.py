@@ -24,8 +24,8 @@ from treeattn.plan.lower.merge_config import merge_config, merge_row_tile
 from treeattn.plan.format import Plan
 
 __all__ = ["SUPPORTED_DTYPES", "attention_constexprs", "check_attention_inputs", "partial_attention",
-           "pack_launches", "launch_packed", "merge_partials", "launch_cache", "check_triton_device", "gumbel_argmax", "row_topk_candidates",
-           "TOPK_CANDIDATES"]
+           "pack_launches", "launch_packed", "merge_partials", "launch_cache", "check_triton_device",
+           "gumbel_argmax", "row_topk_candidates", "TOPK_CANDIDATES"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -390,7 +390,8 @@ def pack_launches(kept: tuple, addr: tuple, k_cache: torch.Tensor, v_cache: torc
     for kernel, before, after, block_n in launches:
         if not kernel.direct:
             return None
-        descs = _descriptor_args(kernel, True, k_cache, v_cache, layer_stride, block_n, cache) if block_n else (None, None)
+        descs = (_descriptor_args(kernel, True, k_cache, v_cache, layer_stride, block_n, cache) if block_n
+                 else (None, None))
         packed.append((kernel, (qa, ka, va, *descs, pa, la, oa, loa, *before, layer_a, *after)))
     if merge is not None:
         kernel, indices = merge
