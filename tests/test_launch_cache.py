@@ -227,15 +227,14 @@ class _RecordedKernel:
         self.launched.append(args)
 
 
-@pytest.mark.parametrize("with_lse_and_layer", [False, True])
-def test_kept_launches_take_the_addresses_of_tritons_arguments(monkeypatch, with_lse_and_layer):
-    """The launch path that only runs on CUDA, assembled on the CPU: a call's kept attention
-    launches and merge take, position by position, the device addresses of the tensors that
-    Triton's path was given for them, and the same scalars."""
+def _assembled_on_cpu(monkeypatch, kernel_type) -> tuple:
+    """The launch path that only runs on CUDA, assembled on the CPU: ``(launchers module, the
+    kernels it keeps (``kernel_type`` each, in keeping order), plan, (q, k, v, o_part,
+    lse_part))`` for a node plan of two launches or more and a merge."""
     import treeattn.launchers as ops
 
     kept = []
-    monkeypatch.setattr(ops, "_keep", lambda kernel, grid, args, kwargs: kept.append(_RecordedKernel(args)) or kept[-1])
+    monkeypatch.setattr(ops, "_keep", lambda kernel, grid, args, kwargs: kept.append(kernel_type(args)) or kept[-1])
     monkeypatch.setattr(ops, "check_triton_device", lambda t: None)
     monkeypatch.setattr(ops, "launch_stream", lambda device: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -244,8 +243,14 @@ def test_kept_launches_take_the_addresses_of_tritons_arguments(monkeypatch, with
     plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, strategy="node")
     assert len(plan.launches) >= 2 and plan.merge_q_indices.numel()
     q, k, v = _inputs(tree, 4, 2, 16, torch.float32, "cpu")
-    q = q.as_subclass(_CudaLooking)
-    o_part, lse_part = w.partial_buffers(plan)
+    return ops, kept, plan, (q.as_subclass(_CudaLooking), k, v, *w.partial_buffers(plan))
+
+
+@pytest.mark.parametrize("with_lse_and_layer", [False, True])
+def test_kept_launches_take_the_addresses_of_tritons_arguments(monkeypatch, with_lse_and_layer):
+    """A call's kept attention launches and merge take, position by position, the device
+    addresses of the tensors that Triton's path was given for them, and the same scalars."""
+    ops, kept, plan, (q, k, v, o_part, lse_part) = _assembled_on_cpu(monkeypatch, _RecordedKernel)
     out = torch.empty(q.shape)
     extra = {}
     if with_lse_and_layer:
@@ -274,20 +279,7 @@ def test_packed_launches_pass_what_kept_launches_pass(monkeypatch):
     """A repeat of a call launches its packed arguments (:func:`~treeattn.launchers.pack_launches`):
     each C launch gets the grid, the stream, the options, the kept launch's arguments (the
     tensors' addresses) and the constexprs, in the kept launches' order, the merge last."""
-    import treeattn.launchers as ops
-
-    kept = []
-    monkeypatch.setattr(ops, "_keep",
-                        lambda kernel, grid, args, kwargs: kept.append(_CLaunchedKernel(args)) or kept[-1])
-    monkeypatch.setattr(ops, "check_triton_device", lambda t: None)
-    monkeypatch.setattr(ops, "launch_stream", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    tree = tree_from_spec("1,4,8_300,40,9")
-    w = TreeAttention(device="cpu", backend="triton")
-    plan = w.plan(tree, num_qo_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, strategy="node")
-    q, k, v = _inputs(tree, 4, 2, 16, torch.float32, "cpu")
-    q = q.as_subclass(_CudaLooking)
-    o_part, lse_part = w.partial_buffers(plan)
+    ops, kept, plan, (q, k, v, o_part, lse_part) = _assembled_on_cpu(monkeypatch, _CLaunchedKernel)
     out = torch.empty(q.shape)
     args = (q, k, v, plan, o_part, lse_part)
     assert ops.partial_attention(*args, sm_scale=0.25, out=out, merge=True)[0] is not None  # (keeps)

@@ -220,6 +220,7 @@ class TreeAttention:
         """
         # the outputs are the caller's: a repeat of this call may take its packed launches
         packable = out is not None and (lse is not None or not return_lse)
+        sig = None
         made = self._views.get(plan) if packable and isinstance(plan, Plan) else None
         # (records only exist on CUDA, where a call was launched through Triton's C launcher)
         if made is not None and made[3] and made[0] is self._workspace and not (
@@ -227,7 +228,7 @@ class TreeAttention:
             try:
                 sig = _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale, return_lse)
             except (AttributeError, TypeError):  # (not tensors: the checks below name the problem)
-                sig = None
+                pass
             packed = made[3].get(sig)
             if packed is not None:
                 stream = launch_stream(sig[0])
@@ -285,7 +286,9 @@ class TreeAttention:
                 if len(records) < _MAX_PACKED_CALLS:
                     packed = pack_launches(*launched, k_cache, v_cache, layer_stride, launch_cache(plan))
                     if packed is not None:
-                        sig = _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale, return_lse)
+                        # (read above where the plan had records; the call's checks passed since)
+                        sig = sig or _call_signature(q, k_cache, v_cache, out, lse, layer, layer_stride, sm_scale,
+                                                     return_lse)
                         records[sig] = packed
         return (out, lse) if return_lse else out
 
